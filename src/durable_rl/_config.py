@@ -1,0 +1,65 @@
+"""A training run's settings: one frozen model, validated before anything is written."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from ._models import Rubric, _Frozen
+
+RUBRICS: dict[str, Rubric] = {
+    "v1": Rubric(correctness_weight=1.0, efficiency_weight=0.3, tidiness_weight=0.1, name="v1"),
+    "v2-efficiency": Rubric(
+        correctness_weight=1.0, efficiency_weight=1.0, tidiness_weight=0.5, name="v2-efficiency"
+    ),
+}
+
+
+class RunConfig(_Frozen):
+    """Everything a run needs; the record a resumed or re-scoring run reads back."""
+
+    n_steps: int = Field(3, ge=1, description="Training steps to run.")
+    n_worlds: int = Field(3, ge=1, description="Worlds to build; prompt p uses world p mod n_worlds.")
+    prompts_per_step: int = Field(3, ge=1, description="Prompts per step.")
+    n_samples: int = Field(2, ge=1, description="Trials (samples) per prompt.")
+    lr: float = Field(2.0, description="Learning rate of the bandit update.")
+    rubric: str = Field("v1", description="Judge rubric: v1 or v2-efficiency.")
+    flaky_trial_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of trials whose first sandbox attempt is made to fail."
+    )
+    judge_flake_rate: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Share of judge tasks made to fail on their first attempt, after the judge answered.",
+    )
+    turn_latency: float = Field(0.2, ge=0.0, description="Simulated seconds of one agent tool call.")
+    judge_latency: float = Field(0.5, ge=0.0, description="Simulated seconds of one judge call.")
+    hang_trials: list[str] = Field(
+        default_factory=list,
+        description="Trial ids whose tool calls never return, to exercise the trial timeout.",
+    )
+    trial_timeout: float = Field(
+        300.0, gt=0.0, description="Seconds one trial attempt may run before it is cancelled."
+    )
+    sandbox_slots: int = Field(16, ge=1, description="Trials that may run at once.")
+    judge_concurrency: int = Field(16, ge=1, description="Judge calls that may run at once.")
+    crash_driver_at_step: int = Field(
+        -1, description="Kill the driver process hard right after this step, on its first attempt."
+    )
+    driver_retries: int = Field(2, ge=0, description="Times the supervisor restarts a dead driver.")
+    source_run: str | None = Field(None, description="The run this one re-scores, if any.")
+
+    @field_validator("rubric")
+    @classmethod
+    def _known_rubric(cls, name: str) -> str:
+        if name not in RUBRICS:
+            raise ValueError(f"unknown rubric {name!r}; known: {', '.join(RUBRICS)}")
+        return name
+
+    @property
+    def rubric_model(self) -> Rubric:
+        """The rubric this run judges with."""
+        return RUBRICS[self.rubric]
+
+    @property
+    def world_ids(self) -> list[str]:
+        """World ids of the run, in order."""
+        return [f"w{i}" for i in range(self.n_worlds)]

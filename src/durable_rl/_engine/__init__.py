@@ -1,0 +1,1 @@
+"""The engine: makes the units durable. Only `_dbos` imports DBOS."""

@@ -1,0 +1,395 @@
+"""DBOS wiring: the run, each trial and each unit call are workflows; each attempt is a step.
+
+- A unit call is a workflow enqueued on its tier's queue (sandbox, judge, trainer), so its
+  concurrency is the queue's and any process listening on the queue may run it.
+- Inside it: a cache lookup by identity, then attempts, each a DBOS step whose outcome is
+  recorded; a failed attempt is retried, a timed-out one is cancelled and counts as failed.
+- The judge call is recorded in the cache the moment it returns, under its own identity, so a
+  retried judge task, a replayed driver and any later run find it instead of paying again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dbos import DBOS, DBOSConfig, Queue, SetWorkflowID
+from pydantic import BaseModel
+
+from .. import _secret_hunt as hunt_env
+from .. import _units as units
+from .._config import RunConfig
+from .._identity import canonical, canonical_json, identity
+from .._loop import StepRecord, TrialOutcome, UnitFailed, drive, run_trial
+from .._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World
+from .._unit import policy_of
+from ._store import Store, state_dir
+
+ENGINE_VERSION = "1"
+JUDGE_MEMO_VERSION = "1"
+# Dispatch and result polls of the engine's queues: short, so queue latency stays out of step times.
+QUEUE_POLL_S = 0.02
+RESULT_POLL_S = 0.02
+EXIT_RUN_FAILED = 3
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Process:
+    """What this driver process knows that is not part of any run's record."""
+
+    store: Store
+    url: str
+    attempt: int
+    out: Any
+    queues: dict[str, Queue]
+
+
+_proc: _Process | None = None
+
+
+def _p() -> _Process:
+    assert _proc is not None, "the engine was not started in this process"
+    return _proc
+
+
+async def _db(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a blocking store call off the event loop, where trials and judges keep running."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+@cache
+def _config(run_id: str) -> RunConfig:
+    row = _p().store.run(run_id)
+    assert row is not None, f"run {run_id} has no record"
+    return RunConfig.model_validate(row.config)
+
+
+# The units as the engine calls them: decode arguments, say what their identity is made of.
+@dataclass(frozen=True)
+class _Kind:
+    fn: Callable[..., Any]
+    output: type[BaseModel]
+    identity_inputs: Callable[[dict[str, Any]], dict[str, Any]]
+    call: Callable[[dict[str, Any], int, RunConfig, str, str], Awaitable[BaseModel]]
+
+    def timeout(self, config: RunConfig) -> float | None:
+        if self.fn is units.generate:
+            return config.trial_timeout
+        return policy_of(self.fn).timeout_s
+
+
+def _world_identity(world: dict[str, Any]) -> dict[str, Any]:
+    return {"world_id": world["world_id"], "content_sha256": world["content_sha256"]}
+
+
+class _RecordedJudge:
+    """The run's judge, memoized for good: an answer is recorded the moment it returns."""
+
+    def __init__(self, inner: units.Judge, run_id: str, key: str) -> None:
+        self.inner, self.run_id, self.key = inner, run_id, key
+        self.model = inner.model
+
+    async def judge(self, traj: Trajectory, rubric: Rubric) -> JudgeAnswer:
+        store = _p().store
+        ident = identity("judge", JUDGE_MEMO_VERSION, {"traj": traj, "rubric": rubric, "model": self.model})
+        recorded = await _db(store.cache_get, ident)
+        if recorded is not None:
+            return JudgeAnswer.model_validate_json(recorded)
+        # counted before the call: a call whose answer a crash loses was still billed
+        await _db(store.event, self.run_id, "judge_call", self.key)
+        answer = await self.inner.judge(traj, rubric)
+        await _db(store.cache_put, ident, "judge", answer.model_dump_json(), self.run_id)
+        return answer
+
+
+async def _call_build_world(args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str) -> World:
+    return await units.build_world(args["world_id"], worlds_dir=state_dir(_p().url, Path.cwd()) / "worlds")
+
+
+async def _call_generate(args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str) -> Trajectory:
+    spec = TrialSpec.model_validate(args["spec"])
+    return await units.generate(
+        spec,
+        Weights.model_validate(args["weights"]),
+        World.model_validate(args["world"]),
+        attempt=attempt,
+        flaky_trial_rate=config.flaky_trial_rate,
+        turn_latency=config.turn_latency,
+        hang=spec.trial_id in config.hang_trials,
+    )
+
+
+async def _call_verify_and_judge(
+    args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str
+) -> Reward:
+    judge = _RecordedJudge(hunt_env.SimulatedJudge(config.judge_latency), run_id, key)
+    return await units.verify_and_judge(
+        Trajectory.model_validate(args["traj"]),
+        Rubric.model_validate(args["rubric"]),
+        judge=judge,
+        attempt=attempt,
+        judge_flake_rate=config.judge_flake_rate,
+    )
+
+
+async def _call_train_step(args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str) -> StepResult:
+    return await units.train_step(
+        args["step"],
+        Weights.model_validate(args["weights"]),
+        [Reward.model_validate(r) for r in args["rewards"]],
+        args["lr"],
+    )
+
+
+_KINDS: dict[str, _Kind] = {
+    "build_world": _Kind(units.build_world, World, lambda a: {"world_id": a["world_id"]}, _call_build_world),
+    "generate": _Kind(
+        units.generate,
+        Trajectory,
+        lambda a: {"spec": a["spec"], "weights": a["weights"], "world": _world_identity(a["world"])},
+        _call_generate,
+    ),
+    "verify_and_judge": _Kind(
+        units.verify_and_judge,
+        Reward,
+        lambda a: {"traj": a["traj"], "rubric": a["rubric"], "judge_model": hunt_env.SIMULATED_JUDGE_MODEL},
+        _call_verify_and_judge,
+    ),
+    "train_step": _Kind(units.train_step, StepResult, lambda a: a, _call_train_step),
+}
+
+
+def _still_valid(unit: str, output: str) -> bool:
+    """A recorded output that points at files must still find them (a world folder removed by hand)."""
+    if unit == "build_world":
+        return Path(World.model_validate_json(output).root).is_dir()
+    return True
+
+
+async def _lookup(run_id: str, unit: str, key: str, ident: str) -> str | None:
+    store = _p().store
+    recorded = await _db(store.cache_get, ident)
+    if recorded is None or not _still_valid(unit, recorded):
+        return None
+    await _db(store.event, run_id, f"{unit}_reused", key)
+    return recorded
+
+
+async def _attempt(run_id: str, unit: str, key: str, ident: str, args_json: str, attempt: int) -> dict[str, Any]:
+    """One attempt of a unit: its outcome (never an exception) is what DBOS records."""
+    store, kind, config = _p().store, _KINDS[unit], _config(run_id)
+    await _db(store.event, run_id, f"{unit}_attempt", key, attempt=attempt)
+    t0 = time.monotonic()
+    timeout = kind.timeout(config)
+    try:
+        output = await asyncio.wait_for(kind.call(json.loads(args_json), attempt, config, run_id, key), timeout)
+    except TimeoutError:
+        error = f"TimeoutError: attempt {attempt} passed its {timeout:g} s deadline and was cancelled"
+    except Exception as e:  # any failure of the unit's own code fails this attempt only
+        error = f"{type(e).__name__}: {e}"
+    else:
+        text = output.model_dump_json()
+        await _db(store.cache_put, ident, unit, text, run_id)
+        return {"ok": True, "output": text, "seconds": time.monotonic() - t0}
+    await _db(store.event, run_id, f"{unit}_failed", key, attempt=attempt, seconds=time.monotonic() - t0, detail=error)
+    return {"ok": False, "error": error}
+
+
+@DBOS.workflow(name="durable_rl.unit")
+async def unit_workflow(run_id: str, unit: str, key: str, args_json: str) -> dict[str, Any]:
+    """A unit call: reuse a recorded output of the same identity, else attempt it."""
+    kind = _KINDS[unit]
+    policy = policy_of(kind.fn)
+    ident = identity(policy.name, policy.version, kind.identity_inputs(json.loads(args_json)))
+    recorded = await DBOS.run_step_async({"name": "lookup"}, _lookup, run_id, unit, key, ident)
+    if recorded is not None:
+        return {"ok": True, "output": recorded, "reused": True}
+    result: dict[str, Any] = {}
+    for attempt in range(policy.retries + 1):
+        result = await DBOS.run_step_async(
+            {"name": f"attempt-{attempt}"}, _attempt, run_id, unit, key, ident, args_json, attempt
+        )
+        if result["ok"]:
+            break
+    return result
+
+
+@DBOS.workflow(name="durable_rl.trial")
+async def trial_workflow(run_id: str, spec_json: str, weights_json: str, world_json: str, rubric_json: str) -> str:
+    """One trial's pipeline as its own workflow, so its order of calls never depends on others."""
+    outcome = await run_trial(
+        DbosOps(run_id),
+        TrialSpec.model_validate_json(spec_json),
+        Weights.model_validate_json(weights_json),
+        World.model_validate_json(world_json),
+        Rubric.model_validate_json(rubric_json),
+    )
+    return outcome.model_dump_json()
+
+
+async def _record_step(run_id: str, record_json: str, attempt: int) -> None:
+    record = StepRecord.model_validate_json(record_json)
+    r = record.result
+    await _db(
+        _p().store.record_step,
+        {
+            "run_id": run_id,
+            "step": r.step,
+            "n_trials": r.n_trials,
+            "n_specs": record.n_specs,
+            "mean_reward": r.mean_reward,
+            "mean_turns": r.mean_turns,
+            "weights_version": r.weights.version,
+            "wall_s": record.wall_s,
+            "max_turns": record.max_turns,
+            "driver_attempt": attempt,
+            "failed_trials": json.dumps(record.failed_trials, sort_keys=True),
+        },
+    )
+    for trial_id, error in sorted(record.failed_trials.items()):
+        print(f"  skipped {trial_id}: {error}", file=_p().out, flush=True)
+    print(
+        f"step {r.step}: trials {r.n_trials}/{record.n_specs} · mean reward {r.mean_reward} · "
+        f"mean turns {r.mean_turns} · weights v{r.weights.version} · driver attempt {attempt}",
+        file=_p().out,
+        flush=True,
+    )
+
+
+async def _record_start(run_id: str) -> float:
+    return await _db(_p().store.record_start, run_id)
+
+
+@DBOS.workflow(name="durable_rl.run")
+async def run_workflow(run_id: str) -> int:
+    """The driver: the loop, with every call durable; a replay re-enters it from the record."""
+    await DBOS.run_step_async({"name": "started_at"}, _record_start, run_id)
+    config = _config(run_id)
+    await drive(config, DbosOps(run_id))
+    return config.n_steps
+
+
+class DbosOps:
+    """The loop's calls, made durable: each is a child workflow with a deterministic id."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+    async def _enqueue(self, tier: str, wid: str, unit: str, key: str, args: dict[str, Any]) -> Any:
+        with SetWorkflowID(f"{self.run_id}/{wid}"):
+            return await _p().queues[tier].enqueue_async(unit_workflow, self.run_id, unit, key, canonical_json(args))
+
+    async def _unit(self, tier: str, wid: str, unit: str, key: str, args: dict[str, Any]) -> str:
+        handle = await self._enqueue(tier, wid, unit, key, args)
+        return _output(await handle.get_result(polling_interval_sec=RESULT_POLL_S))
+
+    async def build_worlds(self, world_ids: list[str]) -> dict[str, World]:
+        handles = [
+            await self._enqueue("sandbox", f"world/{w}", "build_world", w, {"world_id": w}) for w in world_ids
+        ]
+        worlds = {}
+        for w, handle in zip(world_ids, handles, strict=True):  # awaited in order: a replay sees the same
+            result = await handle.get_result(polling_interval_sec=RESULT_POLL_S)
+            worlds[w] = World.model_validate_json(_output(result))
+        return worlds
+
+    async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> Trajectory:
+        args = {"spec": spec, "weights": weights, "world": world}
+        text = await self._unit("sandbox", f"{spec.trial_id}/generate", "generate", spec.trial_id, canonical(args))
+        return Trajectory.model_validate_json(text)
+
+    async def verify_and_judge(self, traj: Trajectory, rubric: Rubric) -> Reward:
+        args = {"traj": traj, "rubric": rubric}
+        text = await self._unit("judge", f"{traj.trial_id}/judge", "verify_and_judge", traj.trial_id, canonical(args))
+        return Reward.model_validate_json(text)
+
+    async def fan_out(
+        self, specs: list[TrialSpec], weights: Weights, worlds: dict[str, World], rubric: Rubric
+    ) -> list[TrialOutcome]:
+        handles = []
+        for spec in specs:  # started in spec order, so every replay assigns the same ids
+            with SetWorkflowID(f"{self.run_id}/{spec.trial_id}"):
+                handles.append(
+                    await DBOS.start_workflow_async(
+                        trial_workflow,
+                        self.run_id,
+                        spec.model_dump_json(),
+                        weights.model_dump_json(),
+                        worlds[spec.world_id].model_dump_json(),
+                        rubric.model_dump_json(),
+                    )
+                )
+        # all trials run at once; collecting them in spec order adds no wait
+        return [
+            TrialOutcome.model_validate_json(await h.get_result(polling_interval_sec=RESULT_POLL_S)) for h in handles
+        ]
+
+    async def train_step(self, step: int, weights: Weights, rewards: list[Reward], lr: float) -> StepResult:
+        args = {"step": step, "weights": weights, "rewards": rewards, "lr": lr}
+        text = await self._unit("trainer", f"s{step}/train", "train_step", f"s{step}", canonical(args))
+        return StepResult.model_validate_json(text)
+
+    async def step_done(self, record: StepRecord) -> None:
+        proc = _p()
+        await DBOS.run_step_async(
+            {"name": f"record-step-{record.result.step}"},
+            _record_step,
+            self.run_id,
+            record.model_dump_json(),
+            proc.attempt,
+        )
+        if proc.attempt == 1 and record.result.step == _config(self.run_id).crash_driver_at_step:
+            print(f"crashing the driver after step {record.result.step} (--crash-driver-at-step)", file=sys.stderr)
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)  # as from kill -9: no cleanup, no flush
+
+
+def _output(result: dict[str, Any]) -> str:
+    if not result["ok"]:
+        raise UnitFailed(result["error"])
+    text: str = result["output"]
+    return text
+
+
+async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any) -> None:
+    """Launch DBOS in this process, resume or start the run's workflow, and wait for it."""
+    global _proc
+    config: DBOSConfig = {
+        "name": "durable-rl",
+        "system_database_url": url,
+        "application_version": f"durable-rl-engine-{ENGINE_VERSION}",
+        "executor_id": f"driver-{run_id}",  # a resumed driver recovers exactly this run's work
+        "log_level": "WARNING",
+    }
+    _proc = _Process(store=store, url=url, attempt=attempt, out=out, queues={})
+    DBOS(config=config)
+    DBOS.launch()
+    try:
+        run_config = _config(run_id)
+        _proc.queues = {
+            "sandbox": await DBOS.register_queue_async(
+                "durable-rl-sandbox", worker_concurrency=run_config.sandbox_slots, polling_interval_sec=QUEUE_POLL_S
+            ),
+            "judge": await DBOS.register_queue_async(
+                "durable-rl-judge", worker_concurrency=run_config.judge_concurrency, polling_interval_sec=QUEUE_POLL_S
+            ),
+            "trainer": await DBOS.register_queue_async(
+                "durable-rl-trainer", worker_concurrency=1, polling_interval_sec=QUEUE_POLL_S
+            ),
+        }
+        with SetWorkflowID(run_id):
+            handle = await DBOS.start_workflow_async(run_workflow, run_id)
+        await handle.get_result(polling_interval_sec=RESULT_POLL_S)
+    finally:
+        DBOS.destroy()

@@ -1,0 +1,384 @@
+"""The run record: runs, driver attempts, steps, side-effect events and the unit cache.
+
+It lives in the same database as the engine's own tables (SQLite file or PostgreSQL), so one
+URL names a run's whole durable state. Only plain SQLAlchemy here: the CLI and the report read
+it without starting the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from .._errors import UserError
+
+_meta = sa.MetaData()
+runs = sa.Table(
+    "drl_runs",
+    _meta,
+    sa.Column("run_id", sa.String(200), primary_key=True),
+    sa.Column("config", sa.Text, nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("started_at", sa.Float),
+    sa.Column("finished_at", sa.Float),
+)
+attempts = sa.Table(
+    "drl_driver_attempts",
+    _meta,
+    sa.Column("run_id", sa.String(200), primary_key=True),
+    sa.Column("attempt", sa.Integer, primary_key=True),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("started_at", sa.Float, nullable=False),
+)
+steps = sa.Table(
+    "drl_steps",
+    _meta,
+    sa.Column("run_id", sa.String(200), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("n_trials", sa.Integer, nullable=False),
+    sa.Column("n_specs", sa.Integer, nullable=False),
+    sa.Column("mean_reward", sa.Float, nullable=False),
+    sa.Column("mean_turns", sa.Float, nullable=False),
+    sa.Column("weights_version", sa.Integer, nullable=False),
+    sa.Column("wall_s", sa.Float, nullable=False),
+    sa.Column("max_turns", sa.Integer, nullable=False),
+    sa.Column("driver_attempt", sa.Integer, nullable=False),
+    sa.Column("failed_trials", sa.Text, nullable=False),
+)
+events = sa.Table(
+    "drl_events",
+    _meta,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("run_id", sa.String(200), nullable=False, index=True),
+    sa.Column("kind", sa.String(40), nullable=False),
+    sa.Column("key", sa.String(300), nullable=False),
+    sa.Column("attempt", sa.Integer),
+    sa.Column("seconds", sa.Float),
+    sa.Column("detail", sa.Text),
+    sa.Column("at", sa.Float, nullable=False),
+)
+cache = sa.Table(
+    "drl_cache",
+    _meta,
+    sa.Column("identity", sa.String(64), primary_key=True),
+    sa.Column("unit", sa.String(40), nullable=False),
+    sa.Column("output", sa.Text, nullable=False),
+    sa.Column("run_id", sa.String(200), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# Counter name -> event kind it counts.
+COUNTED_EVENTS = {
+    "generate_executed": "generate_attempt",
+    "generate_reused": "generate_reused",
+    "judge_task_attempts": "verify_and_judge_attempt",
+    "judge_calls": "judge_call",
+    "worlds_built": "build_world_attempt",
+    "worlds_reused": "build_world_reused",
+    "train_steps_executed": "train_step_attempt",
+    "train_steps_reused": "train_step_reused",
+}
+
+
+def default_url(cwd: Path) -> str:
+    """SQLite in the project-local state folder."""
+    return f"sqlite:///{(cwd / '.durable-rl' / 'state.sqlite').resolve()}"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL, None for any other database."""
+    if not url.startswith("sqlite:///"):
+        return None
+    return Path(url.removeprefix("sqlite:///"))
+
+
+def state_dir(url: str, cwd: Path) -> Path:
+    """Where files beside the database live (world snapshots, reports)."""
+    path = sqlite_path(url)
+    return path.parent if path is not None else cwd / ".durable-rl"
+
+
+def _sqlalchemy_url(url: str) -> str:
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def check_url(url: str) -> None:
+    """Refuse, as a UserError, a URL that cannot name a durable-rl state database."""
+    if not url.startswith(("sqlite:///", "postgresql://", "postgres://", "postgresql+psycopg://")):
+        raise UserError(f"unsupported state database URL {url!r}: use sqlite:///PATH or postgresql://...")
+    path = sqlite_path(url)
+    if path is None or not path.exists():
+        return
+    if path.is_dir():
+        raise UserError(f"{path} is a folder, not a state database")
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+            names = {row[0] for row in conn.execute("select name from sqlite_master where type='table'")}
+    except sqlite3.DatabaseError:
+        raise UserError(f"{path} is not a durable-rl state database (not SQLite)") from None
+    if names and "drl_runs" not in names:
+        raise UserError(f"{path} is not a durable-rl state database (it has other tables)")
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run as recorded."""
+
+    run_id: str
+    config: dict[str, Any]
+    status: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+
+
+class Store:
+    """Reads and writes the run record; every write is one short transaction."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine: Engine = _make_engine(url)
+
+    @classmethod
+    def open_existing(cls, url: str) -> Store | None:
+        """The store at `url` if it holds a run record, else None; creates nothing."""
+        check_url(url)
+        path = sqlite_path(url)
+        if path is not None and not path.exists():
+            return None
+        store = cls(url)
+        if not sa.inspect(store.engine).has_table("drl_runs"):
+            store.engine.dispose()
+            return None
+        return store
+
+    @classmethod
+    def create(cls, url: str) -> Store:
+        """The store at `url`, with its tables made if they were missing."""
+        check_url(url)
+        path = sqlite_path(url)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        store = cls(url)
+        _meta.create_all(store.engine)
+        return store
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    # runs
+    def create_run(self, run_id: str, config_json: str) -> None:
+        with self._tx() as c:
+            c.execute(
+                runs.insert().values(
+                    run_id=run_id, config=config_json, status="running", created_at=time.time()
+                )
+            )
+
+    def run(self, run_id: str) -> RunRow | None:
+        with self._tx() as c:
+            row = c.execute(runs.select().where(runs.c.run_id == run_id)).first()
+        return _run_row(row) if row is not None else None
+
+    def runs(self) -> list[RunRow]:
+        with self._tx() as c:
+            rows = c.execute(runs.select().order_by(runs.c.created_at, runs.c.run_id)).all()
+        return [_run_row(r) for r in rows]
+
+    def set_status(self, run_id: str, status: str) -> None:
+        values: dict[str, Any] = {"status": status}
+        if status == "succeeded":
+            values["finished_at"] = time.time()
+        with self._tx() as c:
+            c.execute(runs.update().where(runs.c.run_id == run_id).values(**values))
+
+    def record_start(self, run_id: str) -> float:
+        """The run's start time: written once, then always read back."""
+        with self._tx() as c:
+            c.execute(
+                runs.update()
+                .where(runs.c.run_id == run_id, runs.c.started_at.is_(None))
+                .values(started_at=time.time())
+            )
+            started: float = c.execute(sa.select(runs.c.started_at).where(runs.c.run_id == run_id)).scalar_one()
+        return started
+
+    # driver attempts
+    def add_attempt(self, run_id: str) -> int:
+        """Record that a driver process took the run over; return its 1-based attempt number."""
+        with self._tx() as c:
+            last = c.execute(sa.select(sa.func.max(attempts.c.attempt)).where(attempts.c.run_id == run_id)).scalar()
+            attempt = (last or 0) + 1
+            c.execute(
+                attempts.insert().values(
+                    run_id=run_id, attempt=attempt, pid=os.getpid(), host=socket.gethostname(), started_at=time.time()
+                )
+            )
+        return attempt
+
+    def attempts(self, run_id: str) -> list[dict[str, Any]]:
+        with self._tx() as c:
+            rows = c.execute(attempts.select().where(attempts.c.run_id == run_id).order_by(attempts.c.attempt)).all()
+        return [dict(r._mapping) for r in rows]
+
+    # steps
+    def record_step(self, row: dict[str, Any]) -> None:
+        with self._tx() as c:
+            exists = c.execute(
+                sa.select(steps.c.step).where(steps.c.run_id == row["run_id"], steps.c.step == row["step"])
+            ).first()
+            if exists is None:
+                c.execute(steps.insert().values(**row))
+
+    def steps(self, run_id: str) -> list[dict[str, Any]]:
+        with self._tx() as c:
+            rows = c.execute(steps.select().where(steps.c.run_id == run_id).order_by(steps.c.step)).all()
+        out = []
+        for r in rows:
+            d = dict(r._mapping)
+            d["failed_trials"] = json.loads(d["failed_trials"])
+            out.append(d)
+        return out
+
+    # events and counters
+    def event(
+        self,
+        run_id: str,
+        kind: str,
+        key: str,
+        *,
+        attempt: int | None = None,
+        seconds: float | None = None,
+        detail: str | None = None,
+    ) -> None:
+        with self._tx() as c:
+            c.execute(
+                events.insert().values(
+                    run_id=run_id, kind=kind, key=key, attempt=attempt, seconds=seconds, detail=detail, at=time.time()
+                )
+            )
+
+    def events(self, run_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+        query = events.select().where(events.c.run_id == run_id)
+        if kind is not None:
+            query = query.where(events.c.kind == kind)
+        with self._tx() as c:
+            return [dict(r._mapping) for r in c.execute(query.order_by(events.c.id)).all()]
+
+    def counters(self, run_id: str) -> dict[str, int]:
+        """The run's side-effect counters, across all its driver attempts and processes."""
+        with self._tx() as c:
+            counts = dict(
+                c.execute(
+                    sa.select(events.c.kind, sa.func.count())
+                    .where(events.c.run_id == run_id)
+                    .group_by(events.c.kind)
+                ).all()
+            )
+            n_attempts = c.execute(
+                sa.select(sa.func.count()).select_from(attempts).where(attempts.c.run_id == run_id)
+            ).scalar_one()
+        step_rows = self.steps(run_id)
+        out = {
+            "trials_ok": sum(s["n_trials"] for s in step_rows),
+            "trials_failed": sum(s["n_specs"] - s["n_trials"] for s in step_rows),
+        }
+        out.update({name: int(counts.get(kind, 0)) for name, kind in COUNTED_EVENTS.items()})
+        out["driver_attempts"] = int(n_attempts)
+        return out
+
+    def summary(self, run_id: str) -> dict[str, Any]:
+        """The run as `--json` prints it."""
+        row = self.run(run_id)
+        assert row is not None
+        return {
+            "run_id": run_id,
+            "status": self.display_status(row),
+            "steps": [
+                {k: s[k] for k in ("step", "n_trials", "n_specs", "mean_reward", "mean_turns", "weights_version", "wall_s")}
+                for s in self.steps(run_id)
+            ],
+            "counters": self.counters(run_id),
+        }
+
+    def display_status(self, row: RunRow) -> str:
+        """The recorded status, or `interrupted` for a running run whose driver is gone."""
+        if row.status != "running":
+            return row.status
+        tried = self.attempts(row.run_id)
+        if not tried:
+            return "interrupted" if time.time() - row.created_at > 60 else "running"
+        last = tried[-1]
+        if last["host"] == socket.gethostname() and not _pid_alive(last["pid"]):
+            return "interrupted"
+        return "running"
+
+    # the unit cache
+    def cache_get(self, identity: str) -> str | None:
+        with self._tx() as c:
+            value: str | None = c.execute(sa.select(cache.c.output).where(cache.c.identity == identity)).scalar()
+        return value
+
+    def cache_put(self, identity: str, unit: str, output: str, run_id: str) -> None:
+        """Record a unit's output under its identity; the first record wins, it never changes."""
+        try:
+            with self._tx() as c:
+                c.execute(
+                    cache.insert().values(
+                        identity=identity, unit=unit, output=output, run_id=run_id, created_at=time.time()
+                    )
+                )
+        except sa.exc.IntegrityError:
+            pass  # an identical call recorded it first: outputs of equal identities are equal
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run_row(row: Any) -> RunRow:
+    m = row._mapping
+    return RunRow(
+        run_id=m["run_id"],
+        config=json.loads(m["config"]),
+        status=m["status"],
+        created_at=m["created_at"],
+        started_at=m["started_at"],
+        finished_at=m["finished_at"],
+    )
+
+
+def _make_engine(url: str) -> Engine:
+    if sqlite_path(url) is None:
+        return sa.create_engine(_sqlalchemy_url(url), pool_pre_ping=True)
+    engine = sa.create_engine(url, connect_args={"timeout": 30})
+
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = "IMMEDIATE"  # writers queue on the lock instead of failing
+        dbapi_conn.execute("PRAGMA busy_timeout=30000")
+
+    return engine
