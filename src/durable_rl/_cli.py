@@ -101,8 +101,11 @@ def _launch(config: RunConfig, run_id: str | None, as_json: bool) -> None:
 def _supervise_and_report(store: Store, run_id: str, config: RunConfig, as_json: bool) -> None:
     lines = sys.stderr if as_json else sys.stdout
     if not as_json:
-        print(f"run {run_id}: {config.n_steps} steps x {config.prompts_per_step * config.n_samples} trials, "
-              f"rubric {config.rubric}, state {_state.url}", flush=True)
+        print(
+            f"run {run_id}: {config.n_steps} steps x {config.prompts_per_step * config.n_samples} trials, "
+            f"rubric {config.rubric}, state {_state.url}",
+            flush=True,
+        )
     ok = supervise(run_id, _state.url, config.driver_retries, lines)
     summary = store.summary(run_id)
     report = _write_report(store, run_id)
@@ -165,11 +168,22 @@ def train(
 ) -> None:
     """Train: build the worlds, then run each step's trials, judge them and update the policy."""
     config = _config(
-        n_steps=n_steps, n_worlds=n_worlds, prompts_per_step=prompts_per_step, n_samples=n_samples, lr=lr,
-        rubric=rubric, flaky_trial_rate=flaky_trial_rate, judge_flake_rate=judge_flake_rate,
-        turn_latency=turn_latency, judge_latency=judge_latency, trial_timeout=trial_timeout,
-        hang_trials=hang_trial or [], sandbox_slots=sandbox_slots, judge_concurrency=judge_concurrency,
-        crash_driver_at_step=crash_driver_at_step, driver_retries=driver_retries,
+        n_steps=n_steps,
+        n_worlds=n_worlds,
+        prompts_per_step=prompts_per_step,
+        n_samples=n_samples,
+        lr=lr,
+        rubric=rubric,
+        flaky_trial_rate=flaky_trial_rate,
+        judge_flake_rate=judge_flake_rate,
+        turn_latency=turn_latency,
+        judge_latency=judge_latency,
+        trial_timeout=trial_timeout,
+        hang_trials=hang_trial or [],
+        sandbox_slots=sandbox_slots,
+        judge_concurrency=judge_concurrency,
+        crash_driver_at_step=crash_driver_at_step,
+        driver_retries=driver_retries,
     )
     _launch(config, run_id, as_json)
 
@@ -220,23 +234,32 @@ def list_runs(as_json: _JSON = False) -> None:
     store = _existing_store()
     rows = []
     for r in store.runs() if store is not None else []:
-        rows.append({
-            "run_id": r.run_id,
-            "status": store.display_status(r),  # type: ignore[union-attr]
-            "steps_done": len(store.steps(r.run_id)),  # type: ignore[union-attr]
-            "n_steps": r.config["n_steps"],
-            "driver_attempts": len(store.attempts(r.run_id)),  # type: ignore[union-attr]
-            "started": _iso(r.started_at or r.created_at),
-            "rubric": r.config["rubric"],
-            "source_run": r.config.get("source_run"),
-        })
+        rows.append(
+            {
+                "run_id": r.run_id,
+                "status": store.display_status(r),  # type: ignore[union-attr]
+                "steps_done": len(store.steps(r.run_id)),  # type: ignore[union-attr]
+                "n_steps": r.config["n_steps"],
+                "driver_attempts": len(store.attempts(r.run_id)),  # type: ignore[union-attr]
+                "started": _iso(r.started_at or r.created_at),
+                "rubric": r.config["rubric"],
+                "source_run": r.config.get("source_run"),
+            }
+        )
     if as_json:
         print(json.dumps(rows))
         return
     table = Table("run", "status", "steps", "driver attempts", "started", "rubric", "from")
     for row in rows:
-        table.add_row(row["run_id"], row["status"], f"{row['steps_done']}/{row['n_steps']}",
-                      str(row["driver_attempts"]), row["started"], row["rubric"], row["source_run"] or "")
+        table.add_row(
+            row["run_id"],
+            row["status"],
+            f"{row['steps_done']}/{row['n_steps']}",
+            str(row["driver_attempts"]),
+            row["started"],
+            row["rubric"],
+            row["source_run"] or "",
+        )
     Console().print(table)
 
 
@@ -249,11 +272,26 @@ def show(run_id: Annotated[str, typer.Argument(help="The run to show.")], as_jso
         print(json.dumps(summary))
         return
     console = Console()
-    steps = Table("step", "trials", "mean reward", "mean turns", "weights", "wall s", "driver attempt",
-                  title=f"run {run_id} ({summary['status']})")
+    steps = Table(
+        "step",
+        "trials",
+        "mean reward",
+        "mean turns",
+        "weights",
+        "wall s",
+        "driver attempt",
+        title=f"run {run_id} ({summary['status']})",
+    )
     for s in store.steps(run_id):
-        steps.add_row(str(s["step"]), f"{s['n_trials']}/{s['n_specs']}", f"{s['mean_reward']}",
-                      f"{s['mean_turns']}", f"v{s['weights_version']}", f"{s['wall_s']:.2f}", str(s["driver_attempt"]))
+        steps.add_row(
+            str(s["step"]),
+            f"{s['n_trials']}/{s['n_specs']}",
+            f"{s['mean_reward']}",
+            f"{s['mean_turns']}",
+            f"v{s['weights_version']}",
+            f"{s['wall_s']:.2f}",
+            str(s["driver_attempt"]),
+        )
     console.print(steps)
     counters = Table("counter", "value")
     for name, value in summary["counters"].items():

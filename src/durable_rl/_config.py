@@ -8,9 +8,7 @@ from ._models import Rubric, _Frozen
 
 RUBRICS: dict[str, Rubric] = {
     "v1": Rubric(correctness_weight=1.0, efficiency_weight=0.3, tidiness_weight=0.1, name="v1"),
-    "v2-efficiency": Rubric(
-        correctness_weight=1.0, efficiency_weight=1.0, tidiness_weight=0.5, name="v2-efficiency"
-    ),
+    "v2-efficiency": Rubric(correctness_weight=1.0, efficiency_weight=1.0, tidiness_weight=0.5, name="v2-efficiency"),
 }
 
 
@@ -27,7 +25,9 @@ class RunConfig(_Frozen):
         0.0, ge=0.0, le=1.0, description="Share of trials whose first sandbox attempt is made to fail."
     )
     judge_flake_rate: float = Field(
-        0.0, ge=0.0, le=1.0,
+        0.0,
+        ge=0.0,
+        le=1.0,
         description="Share of judge tasks made to fail on their first attempt, after the judge answered.",
     )
     turn_latency: float = Field(0.2, ge=0.0, description="Simulated seconds of one agent tool call.")
@@ -36,9 +36,7 @@ class RunConfig(_Frozen):
         default_factory=list,
         description="Trial ids whose tool calls never return, to exercise the trial timeout.",
     )
-    trial_timeout: float = Field(
-        300.0, gt=0.0, description="Seconds one trial attempt may run before it is cancelled."
-    )
+    trial_timeout: float = Field(300.0, gt=0.0, description="Seconds one trial attempt may run before it is cancelled.")
     sandbox_slots: int = Field(16, ge=1, description="Trials that may run at once.")
     judge_concurrency: int = Field(16, ge=1, description="Judge calls that may run at once.")
     crash_driver_at_step: int = Field(

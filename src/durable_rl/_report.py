@@ -11,7 +11,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
 
 def _plot_svg(steps: list[dict[str, Any]]) -> str:
@@ -43,8 +43,16 @@ def write_report(
 ) -> None:
     """Write the report of one run to `path`."""
     step_rows = [
-        [s["step"], f"{s['n_trials']}/{s['n_specs']}", s["mean_reward"], s["mean_turns"], f"v{s['weights_version']}",
-         f"{s['wall_s']:.2f}", s["driver_attempt"], ", ".join(sorted(s["failed_trials"])) or "-"]
+        [
+            s["step"],
+            f"{s['n_trials']}/{s['n_specs']}",
+            s["mean_reward"],
+            s["mean_turns"],
+            f"v{s['weights_version']}",
+            f"{s['wall_s']:.2f}",
+            s["driver_attempt"],
+            ", ".join(sorted(s["failed_trials"])) or "-",
+        ]
         for s in steps
     ]
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.started_at)) if run.started_at else "-"

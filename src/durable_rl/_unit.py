@@ -21,9 +21,7 @@ class UnitPolicy:
     timeout_s: float | None
 
 
-def unit(
-    *, name: str, version: str, tier: Tier, retries: int, timeout_s: float | None = None
-) -> Callable[[F], F]:
+def unit(*, name: str, version: str, tier: Tier, retries: int, timeout_s: float | None = None) -> Callable[[F], F]:
     """Attach a UnitPolicy to a unit as `fn.policy`; calling the function is unchanged."""
 
     def attach(fn: F) -> F:

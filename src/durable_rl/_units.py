@@ -5,6 +5,7 @@ They never import the engine, the CLI or the report; each runs as-is in a unit t
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -34,19 +35,30 @@ async def build_world(world_id: str, *, worlds_dir: Path) -> World:
         digest.update(f"{rel}\x00{files[rel]}\x00".encode())
     content = digest.hexdigest()
     root = worlds_dir / f"{world_id}-{content[:16]}"
-    if not root.exists():
-        worlds_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{world_id}-", dir=worlds_dir))
-        for rel, text in files.items():
-            path = staging / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            path.chmod(0o444)  # a snapshot is read-only; trials write to their own copy
-        try:
-            os.rename(staging, root)  # atomic: a reader sees no world or a whole one
-        except OSError:
-            shutil.rmtree(staging)  # another process published the same snapshot first
+    await asyncio.to_thread(_publish_snapshot, root, files)
     return World(world_id=world_id, root=str(root), content_sha256=content)
+
+
+def _publish_snapshot(root: Path, files: dict[str, str]) -> None:
+    if root.exists():
+        return
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    for rel, text in files.items():
+        path = staging / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(0o444)  # a snapshot is read-only; trials write to their own copy
+    try:
+        os.rename(staging, root)  # atomic: a reader sees no world or a whole one
+    except OSError:
+        shutil.rmtree(staging)  # another process published the same snapshot first
+
+
+def _private_copy(root: str, workdir: Path) -> None:
+    shutil.copytree(root, workdir, dirs_exist_ok=True)
+    for path in workdir.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # the copy is the trial's to change
 
 
 @unit(name="generate", version="1", tier="sandbox", retries=1, timeout_s=300.0)
@@ -62,10 +74,8 @@ async def generate(
 ) -> Trajectory:
     """One trial on a private copy of the world; the same inputs give the same trajectory."""
     workdir = Path(tempfile.mkdtemp(prefix=f"durable-rl-{spec.trial_id}-"))
-    try:
-        shutil.copytree(world.root, workdir, dirs_exist_ok=True)
-        for path in workdir.rglob("*"):
-            path.chmod(0o755 if path.is_dir() else 0o644)  # the copy is the trial's to change
+    try:  # removed however the trial ends, a cancelled (timed-out) one included
+        await asyncio.to_thread(_private_copy, world.root, workdir)
         return await hunt_env.hunt(
             spec,
             weights,
@@ -76,7 +86,7 @@ async def generate(
             hang=hang,
         )
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, workdir, ignore_errors=True)
 
 
 @unit(name="verify_and_judge", version="1", tier="judge", retries=2)

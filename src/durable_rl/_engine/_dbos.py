@@ -201,7 +201,8 @@ async def _attempt(run_id: str, unit: str, key: str, ident: str, args_json: str,
     else:
         text = output.model_dump_json()
         await _db(store.cache_put, ident, unit, text, run_id)
-        return {"ok": True, "output": text, "seconds": time.monotonic() - t0}
+        await _db(store.event, run_id, f"{unit}_done", key, attempt=attempt, seconds=time.monotonic() - t0)
+        return {"ok": True, "output": text}
     await _db(store.event, run_id, f"{unit}_failed", key, attempt=attempt, seconds=time.monotonic() - t0, detail=error)
     return {"ok": False, "error": error}
 
@@ -295,9 +296,7 @@ class DbosOps:
         return _output(await handle.get_result(polling_interval_sec=RESULT_POLL_S))
 
     async def build_worlds(self, world_ids: list[str]) -> dict[str, World]:
-        handles = [
-            await self._enqueue("sandbox", f"world/{w}", "build_world", w, {"world_id": w}) for w in world_ids
-        ]
+        handles = [await self._enqueue("sandbox", f"world/{w}", "build_world", w, {"world_id": w}) for w in world_ids]
         worlds = {}
         for w, handle in zip(world_ids, handles, strict=True):  # awaited in order: a replay sees the same
             result = await handle.get_result(polling_interval_sec=RESULT_POLL_S)

@@ -186,11 +186,7 @@ class Store:
     # runs
     def create_run(self, run_id: str, config_json: str) -> None:
         with self._tx() as c:
-            c.execute(
-                runs.insert().values(
-                    run_id=run_id, config=config_json, status="running", created_at=time.time()
-                )
-            )
+            c.execute(runs.insert().values(run_id=run_id, config=config_json, status="running", created_at=time.time()))
 
     def run(self, run_id: str) -> RunRow | None:
         with self._tx() as c:
@@ -213,9 +209,7 @@ class Store:
         """The run's start time: written once, then always read back."""
         with self._tx() as c:
             c.execute(
-                runs.update()
-                .where(runs.c.run_id == run_id, runs.c.started_at.is_(None))
-                .values(started_at=time.time())
+                runs.update().where(runs.c.run_id == run_id, runs.c.started_at.is_(None)).values(started_at=time.time())
             )
             started: float = c.execute(sa.select(runs.c.started_at).where(runs.c.run_id == run_id)).scalar_one()
         return started
@@ -285,11 +279,9 @@ class Store:
     def counters(self, run_id: str) -> dict[str, int]:
         """The run's side-effect counters, across all its driver attempts and processes."""
         with self._tx() as c:
-            counts = dict(
+            counts: dict[str, int] = dict(
                 c.execute(
-                    sa.select(events.c.kind, sa.func.count())
-                    .where(events.c.run_id == run_id)
-                    .group_by(events.c.kind)
+                    sa.select(events.c.kind, sa.func.count()).where(events.c.run_id == run_id).group_by(events.c.kind)
                 ).all()
             )
             n_attempts = c.execute(
@@ -312,7 +304,10 @@ class Store:
             "run_id": run_id,
             "status": self.display_status(row),
             "steps": [
-                {k: s[k] for k in ("step", "n_trials", "n_specs", "mean_reward", "mean_turns", "weights_version", "wall_s")}
+                {
+                    k: s[k]
+                    for k in ("step", "n_trials", "n_specs", "mean_reward", "mean_turns", "weights_version", "wall_s")
+                }
                 for s in self.steps(run_id)
             ],
             "counters": self.counters(run_id),
@@ -356,7 +351,10 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a killed process nobody has reaped yet is a zombie: dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _run_row(row: Any) -> RunRow:

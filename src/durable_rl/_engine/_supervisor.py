@@ -28,6 +28,9 @@ def supervise(run_id: str, url: str, driver_retries: int, step_lines: IO[str]) -
                 file=sys.stderr,
                 flush=True,
             )
-    print(f"driver of {run_id} died {driver_retries + 1} times; `durable-rl resume {run_id}` finishes it",
-          file=sys.stderr, flush=True)
+    print(
+        f"driver of {run_id} died {driver_retries + 1} times; `durable-rl resume {run_id}` finishes it",
+        file=sys.stderr,
+        flush=True,
+    )
     return False

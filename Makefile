@@ -1,0 +1,33 @@
+# One command for the demo, one for the tests; each sets up .venv first if it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test check lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	cd $(CURDIR) && $(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite train \
+		--crash-driver-at-step 1 --flaky-trial-rate 0.25 --judge-flake-rate 0.3
+	$(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite rescore --rubric v2-efficiency
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+check: lint test
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/step_overhead.py
+
+clean:
+	rm -rf $(VENV) .durable-rl

@@ -1,0 +1,85 @@
+"""Helpers for tests that drive the real `durable-rl` command in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The spec's figures for the default run (n_steps=3, 3 worlds, 3 prompts x 2 samples, lr 2.0).
+CLEAN_V1 = [(1.601, 4.67, 6, 1), (2.323, 2.17, 6, 2), (2.352, 1.67, 6, 3)]
+CLEAN_V2 = [(2.391, 4.67, 6, 1), (3.299, 1.83, 6, 2), (3.343, 1.67, 6, 3)]
+FAST = ["--turn-latency", "0.02", "--judge-latency", "0.05"]
+
+
+@dataclass
+class Cli:
+    """Runs `durable-rl` against one state database from one working folder."""
+
+    cwd: Path
+    db: str
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "DURABLE_RL_DB": self.db}
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "durable_rl", *args]
+
+    def run(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.argv(*args), cwd=self.cwd, env=self.env(), capture_output=True, text=True, timeout=timeout
+        )
+
+    def json(self, *args: str) -> dict[str, Any]:
+        proc = self.run(*args, "--json")
+        assert proc.returncode == 0, proc.stderr
+        result: dict[str, Any] = json.loads(proc.stdout)
+        return result
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.argv(*args),
+            cwd=self.cwd,
+            env=self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group: the test can kill the whole tree
+        )
+
+
+def figures(summary: dict[str, Any]) -> list[tuple[float, float, int, int]]:
+    return [(s["mean_reward"], s["mean_turns"], s["n_trials"], s["weights_version"]) for s in summary["steps"]]
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Cli:
+    return Cli(tmp_path, f"sqlite:///{tmp_path / '.durable-rl' / 'state.sqlite'}")
+
+
+def _pg_admin_url() -> str:
+    return os.environ.get("DURABLE_RL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@pytest.fixture
+def pg_cli(tmp_path: Path) -> Iterator[Cli]:
+    """A Cli on a new PostgreSQL database, dropped afterwards."""
+    import psycopg
+
+    name = f"drl_test_{os.getpid()}_{tmp_path.name[-12:].replace('-', '_')}".lower()
+    admin = _pg_admin_url()
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield Cli(tmp_path, admin.rsplit("/", 1)[0] + f"/{name}")
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -1,0 +1,154 @@
+"""The command line's contract: bad input is one line on stderr, exit 2, and nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import FAST, Cli
+
+BAD_TRAIN = [
+    (["--flaky-trial-rate", "1.5"], "--flaky-trial-rate"),
+    (["--judge-flake-rate", "-0.1"], "--judge-flake-rate"),
+    (["--n-steps", "0"], "--n-steps"),
+    (["--rubric", "v9"], "unknown rubric"),
+]
+
+
+def _one_clean_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "says"), BAD_TRAIN)
+def test_bad_train_input_writes_nothing(cli: Cli, args: list[str], says: str) -> None:
+    proc = cli.run("train", *args)
+    assert proc.returncode == 2
+    assert says in _one_clean_line(proc.stderr)
+    assert proc.stdout == ""
+    assert not (cli.cwd / ".durable-rl").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["show", "nope"],
+        ["resume", "nope"],
+        ["rescore", "--rubric", "v2-efficiency", "--from", "nope"],
+        ["rescore", "--rubric", "v2-efficiency"],
+        ["rescore", "--rubric", "nope"],
+    ],
+)
+def test_unknown_run_is_a_user_error(cli: Cli, args: list[str]) -> None:
+    proc = cli.run(*args)
+    assert proc.returncode == 2
+    _one_clean_line(proc.stderr)
+    assert not (cli.cwd / ".durable-rl").exists()
+
+
+def test_bad_input_leaves_earlier_runs_intact(cli: Cli) -> None:
+    before = cli.json("train", "--run-id", "kept", "--n-steps", "1", *FAST)
+    db_file = Path(cli.db.removeprefix("sqlite:///"))
+    size = db_file.stat().st_size
+    for args in (
+        ["train", "--lr", "2", "--judge-flake-rate", "7"],
+        ["train", "--run-id", "kept"],
+        ["resume", "missing"],
+        ["rescore", "--rubric", "bogus", "--from", "kept"],
+    ):
+        proc = cli.run(*args)
+        assert proc.returncode == 2, args
+        _one_clean_line(proc.stderr)
+    assert "already exists" in cli.run("train", "--run-id", "kept").stderr
+    assert db_file.stat().st_size == size
+    assert cli.json("show", "kept") == before
+    assert [r["run_id"] for r in cli.json("runs")] == ["kept"]
+
+
+def test_a_file_that_is_not_a_state_database_is_refused(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.sqlite"
+    junk.write_text("this is not a database\n" * 100)
+    cli = Cli(tmp_path, f"sqlite:///{junk}")
+    for args in (["train"], ["runs"], ["show", "x"]):
+        proc = cli.run(*args)
+        assert proc.returncode == 2
+        assert "not a durable-rl state database" in _one_clean_line(proc.stderr)
+    assert junk.read_text() == "this is not a database\n" * 100
+
+
+def test_an_unrelated_sqlite_database_is_refused(tmp_path: Path) -> None:
+    import sqlite3
+
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as conn:
+        conn.execute("create table customers (id integer)")
+    conn.close()
+    proc = Cli(tmp_path, f"sqlite:///{other}").run("train")
+    assert proc.returncode == 2
+    assert "other tables" in _one_clean_line(proc.stderr)
+
+
+def test_unsupported_url_is_refused(tmp_path: Path) -> None:
+    proc = Cli(tmp_path, "mysql://localhost/x").run("runs")
+    assert proc.returncode == 2
+    assert "unsupported state database URL" in _one_clean_line(proc.stderr)
+
+
+def test_runs_and_show_render_the_record(cli: Cli) -> None:
+    assert cli.json("runs") == []
+    out = cli.json("train", "--run-id", "r1", "--n-steps", "2", *FAST)
+    runs = cli.json("runs")
+    assert [(r["run_id"], r["status"], r["steps_done"], r["driver_attempts"]) for r in runs] == [
+        ("r1", "succeeded", 2, 1)
+    ]
+    assert cli.json("show", "r1") == out
+    text = cli.run("show", "r1").stdout
+    assert "generate_executed" in text and "2.323" in text
+
+
+def test_train_prints_a_line_per_step_and_writes_a_report(cli: Cli) -> None:
+    proc = cli.run("train", "--run-id", "human", "--n-steps", "2", *FAST)
+    assert proc.returncode == 0, proc.stderr
+    step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert step_lines == [
+        "step 0: trials 6/6 · mean reward 1.601 · mean turns 4.67 · weights v1 · driver attempt 1",
+        "step 1: trials 6/6 · mean reward 2.323 · mean turns 2.17 · weights v2 · driver attempt 1",
+    ]
+    report = Path(proc.stdout.strip().splitlines()[-1].removeprefix("report: "))
+    page = report.read_text()
+    assert page.startswith("<!doctype html>") and "<svg" in page and "judge_calls" in page
+    assert "http://" not in page.split("<svg", 1)[0] and "<script src" not in page  # self-contained
+
+
+def test_json_mode_prints_only_json_on_stdout(cli: Cli) -> None:
+    proc = cli.run("train", "--run-id", "j", "--n-steps", "1", *FAST, "--json")
+    assert proc.returncode == 0
+    import json
+
+    out = json.loads(proc.stdout)
+    assert set(out) == {"run_id", "status", "steps", "counters"}
+    assert set(out["steps"][0]) == {
+        "step",
+        "n_trials",
+        "n_specs",
+        "mean_reward",
+        "mean_turns",
+        "weights_version",
+        "wall_s",
+    }
+    assert set(out["counters"]) == {
+        "trials_ok",
+        "trials_failed",
+        "generate_executed",
+        "generate_reused",
+        "judge_task_attempts",
+        "judge_calls",
+        "worlds_built",
+        "worlds_reused",
+        "train_steps_executed",
+        "train_steps_reused",
+        "driver_attempts",
+    }
+    assert "step 0:" in proc.stderr
