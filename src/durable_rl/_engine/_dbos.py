@@ -32,7 +32,8 @@ from .._identity import canonical, canonical_json, identity
 from .._loop import StepRecord, TrialOutcome, UnitFailed, drive, run_trial
 from .._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World
 from .._unit import policy_of
-from ._store import Store, state_dir
+from ._sqlite import sqlite_engine
+from ._store import Store, sqlite_path, state_dir
 
 ENGINE_VERSION = "1"
 JUDGE_MEMO_VERSION = "1"
@@ -177,18 +178,15 @@ def _still_valid(unit: str, output: str) -> bool:
     return True
 
 
-async def _lookup(run_id: str, unit: str, key: str, ident: str) -> str | None:
-    store = _p().store
-    recorded = await _db(store.cache_get, ident)
-    if recorded is None or not _still_valid(unit, recorded):
-        return None
-    await _db(store.event, run_id, f"{unit}_reused", key)
-    return recorded
-
-
 async def _attempt(run_id: str, unit: str, key: str, ident: str, args_json: str, attempt: int) -> dict[str, Any]:
-    """One attempt of a unit: its outcome (never an exception) is what DBOS records."""
+    """One attempt of a unit, the first one after a look for a recorded output of the same
+    identity; its outcome (never an exception) is what DBOS records."""
     store, kind, config = _p().store, _KINDS[unit], _config(run_id)
+    if attempt == 0:
+        recorded = await _db(store.cache_get, ident)
+        if recorded is not None and _still_valid(unit, recorded):
+            await _db(store.event, run_id, f"{unit}_reused", key)
+            return {"ok": True, "output": recorded}
     await _db(store.event, run_id, f"{unit}_attempt", key, attempt=attempt)
     t0 = time.monotonic()
     timeout = kind.timeout(config)
@@ -200,8 +198,8 @@ async def _attempt(run_id: str, unit: str, key: str, ident: str, args_json: str,
         error = f"{type(e).__name__}: {e}"
     else:
         text = output.model_dump_json()
-        await _db(store.cache_put, ident, unit, text, run_id)
-        await _db(store.event, run_id, f"{unit}_done", key, attempt=attempt, seconds=time.monotonic() - t0)
+        done = {"kind": f"{unit}_done", "key": key, "attempt": attempt, "seconds": time.monotonic() - t0}
+        await _db(store.cache_put, ident, unit, text, run_id, done)
         return {"ok": True, "output": text}
     await _db(store.event, run_id, f"{unit}_failed", key, attempt=attempt, seconds=time.monotonic() - t0, detail=error)
     return {"ok": False, "error": error}
@@ -213,9 +211,6 @@ async def unit_workflow(run_id: str, unit: str, key: str, args_json: str) -> dic
     kind = _KINDS[unit]
     policy = policy_of(kind.fn)
     ident = identity(policy.name, policy.version, kind.identity_inputs(json.loads(args_json)))
-    recorded = await DBOS.run_step_async({"name": "lookup"}, _lookup, run_id, unit, key, ident)
-    if recorded is not None:
-        return {"ok": True, "output": recorded, "reused": True}
     result: dict[str, Any] = {}
     for attempt in range(policy.retries + 1):
         result = await DBOS.run_step_async(
@@ -371,6 +366,8 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
         "executor_id": f"driver-{run_id}",  # a resumed driver recovers exactly this run's work
         "log_level": "WARNING",
     }
+    if sqlite_path(url) is not None:
+        config["system_database_engine"] = sqlite_engine(url)
     _proc = _Process(store=store, url=url, attempt=attempt, out=out, queues={})
     DBOS(config=config)
     DBOS.launch()

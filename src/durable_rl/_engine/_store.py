@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from .._errors import UserError
+from ._sqlite import sqlite_engine
 
 _meta = sa.MetaData()
 runs = sa.Table(
@@ -175,6 +176,11 @@ class Store:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
         store = cls(url)
+        if path is not None:
+            with store.engine.connect() as conn:
+                # WAL persists in the file, so the engine's connections use it too: readers stop
+                # blocking writers, and a commit is one append (synchronous=FULL keeps it durable)
+                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
         _meta.create_all(store.engine)
         return store
 
@@ -331,17 +337,19 @@ class Store:
             value: str | None = c.execute(sa.select(cache.c.output).where(cache.c.identity == identity)).scalar()
         return value
 
-    def cache_put(self, identity: str, unit: str, output: str, run_id: str) -> None:
-        """Record a unit's output under its identity; the first record wins, it never changes."""
-        try:
-            with self._tx() as c:
+    def cache_put(self, identity: str, unit: str, output: str, run_id: str, done: dict[str, Any] | None = None) -> None:
+        """Record a unit's output under its identity (the first record wins, it never changes),
+        and in the same transaction the `done` event of the call that produced it."""
+        with self._tx() as c:
+            exists = c.execute(sa.select(cache.c.identity).where(cache.c.identity == identity)).first()
+            if exists is None:  # an identical call may have recorded it first: equal identities, equal outputs
                 c.execute(
                     cache.insert().values(
                         identity=identity, unit=unit, output=output, run_id=run_id, created_at=time.time()
                     )
                 )
-        except sa.exc.IntegrityError:
-            pass  # an identical call recorded it first: outputs of equal identities are equal
+            if done is not None:
+                c.execute(events.insert().values(run_id=run_id, at=time.time(), **done))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -372,11 +380,4 @@ def _run_row(row: Any) -> RunRow:
 def _make_engine(url: str) -> Engine:
     if sqlite_path(url) is None:
         return sa.create_engine(_sqlalchemy_url(url), pool_pre_ping=True)
-    engine = sa.create_engine(url, connect_args={"timeout": 30})
-
-    @sa.event.listens_for(engine, "connect")
-    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = "IMMEDIATE"  # writers queue on the lock instead of failing
-        dbapi_conn.execute("PRAGMA busy_timeout=30000")
-
-    return engine
+    return sqlite_engine(url)

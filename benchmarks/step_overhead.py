@@ -1,0 +1,75 @@
+"""Step wall time against its critical path (longest trial + one judge call), default latencies.
+
+Runs the real `durable-rl train` in a fresh state folder and reads the record:
+    .venv/bin/python benchmarks/step_overhead.py [--samples N] [--db URL]
+A step's critical path is max(turns) * turn_latency + judge_latency: what a step would take
+with zero orchestration cost. The goal: every step within 25% of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from durable_rl._engine._store import Store
+
+TURN_LATENCY, JUDGE_LATENCY = 0.2, 0.5
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, nargs="+", default=[2, 8], help="n_samples values to try")
+    parser.add_argument("--db", default=None, help="state database URL (default: SQLite in a temp folder)")
+    args = parser.parse_args()
+    worst = 0.0
+    print("| trials/step | step | max turns | critical path s | wall s | overhead |")
+    print("|---|---|---|---|---|---|")
+    for n_samples in args.samples:
+        with tempfile.TemporaryDirectory() as tmp:
+            db = args.db or f"sqlite:///{tmp}/state.sqlite"
+            run_id = f"bench-{n_samples}-{os.getpid()}"
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "durable_rl",
+                    "--db",
+                    db,
+                    "train",
+                    "--run-id",
+                    run_id,
+                    "--n-samples",
+                    str(n_samples),
+                    "--n-steps",
+                    "3",
+                    "--json",
+                    # enough slots for every trial at once, so the critical path is the bound
+                    "--sandbox-slots",
+                    str(3 * n_samples),
+                    "--judge-concurrency",
+                    str(3 * n_samples),
+                ],
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            json.loads(proc.stdout)
+            for s in Store(db).steps(run_id):
+                critical = s["max_turns"] * TURN_LATENCY + JUDGE_LATENCY
+                ratio = s["wall_s"] / critical - 1
+                worst = max(worst, ratio)
+                print(
+                    f"| {s['n_specs']} | {s['step']} | {s['max_turns']} | {critical:.2f} | {s['wall_s']:.2f} "
+                    f"| {ratio:+.0%} |"
+                )
+    print(f"\nworst step overhead: {worst:+.0%} (goal: within +25%)")
+    return 0 if worst <= 0.25 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
