@@ -384,8 +384,11 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
                 "durable-rl-trainer", worker_concurrency=1, polling_interval_sec=QUEUE_POLL_S
             ),
         }
-        with SetWorkflowID(run_id):
-            handle = await DBOS.start_workflow_async(run_workflow, run_id)
-        await handle.get_result(polling_interval_sec=RESULT_POLL_S)
+        if await DBOS.get_workflow_status_async(run_id) is None:
+            with SetWorkflowID(run_id):
+                await (await DBOS.start_workflow_async(run_workflow, run_id)).get_result()
+        else:  # a resumed run: DBOS's recovery at launch has already taken its workflow up again
+            handle = await DBOS.retrieve_workflow_async(run_id)
+            await handle.get_result(polling_interval_sec=RESULT_POLL_S)
     finally:
         DBOS.destroy()
