@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dbos import DBOS, DBOSConfig, Queue, SetWorkflowID
+from dbos import DBOS, DBOSConfig, Queue, SetWorkflowID, WorkflowHandleAsync
 from pydantic import BaseModel
 
 from .. import _secret_hunt as hunt_env
@@ -388,7 +388,7 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
             with SetWorkflowID(run_id):
                 await (await DBOS.start_workflow_async(run_workflow, run_id)).get_result()
         else:  # a resumed run: DBOS's recovery at launch has already taken its workflow up again
-            handle = await DBOS.retrieve_workflow_async(run_id)
+            handle: WorkflowHandleAsync[int] = await DBOS.retrieve_workflow_async(run_id)
             await handle.get_result(polling_interval_sec=RESULT_POLL_S)
     finally:
         DBOS.destroy()
