@@ -25,6 +25,7 @@ from durable_rl import (
     verify_and_judge,
 )
 from durable_rl import _secret_hunt as hunt_env
+from durable_rl._units import SandboxSettings
 
 V1 = RUBRICS["v1"]
 
@@ -53,7 +54,7 @@ def test_seed_is_the_spec_formula() -> None:
 
 
 def test_world_files_follow_the_spec(tmp_path: Path) -> None:
-    world = _run(build_world("w1", worlds_dir=tmp_path))
+    world = _run(build_world("w1", snapshots_dir=tmp_path / "snapshots"))
     r = random.Random(hunt_env.seed("world", "w1"))
     secret_doc = r.randrange(8)
     secret = f"w1-secret-{r.randrange(10**6):06d}"
@@ -67,25 +68,27 @@ def test_world_files_follow_the_spec(tmp_path: Path) -> None:
         assert doc.read_text() == "\n".join(lines) + "\n"
     all_text = "".join(d.read_text() for d in docs)
     assert secret not in all_text  # only the digest is ever written
-    again = _run(build_world("w1", worlds_dir=tmp_path))
+    again = _run(build_world("w1", snapshots_dir=tmp_path / "snapshots"))
     assert again == world  # built once, then found
 
 
 def test_generate_is_the_same_on_every_attempt_and_private(tmp_path: Path) -> None:
-    world = _run(build_world("w0", worlds_dir=tmp_path))
+    world = _run(build_world("w0", snapshots_dir=tmp_path / "snapshots"))
     before = {p: p.read_bytes() for p in Path(world.root).rglob("*") if p.is_file()}
     weights = hunt_env.initial_weights(["w0"])
     spec = TrialSpec(trial_id="s0-p0-n0", step=0, world_id="w0", prompt="find the secret")
-    first = _run(generate(spec, weights, world, turn_latency=0))
-    retried = _run(generate(spec, weights, world, attempt=1, flaky_trial_rate=1.0, turn_latency=0))
+    sandbox = SandboxSettings(trials_dir=tmp_path / "trials")
+    first = _run(generate(spec, weights, world, sandbox=sandbox, turn_latency=0))
+    retried = _run(generate(spec, weights, world, sandbox=sandbox, attempt=1, flaky_trial_rate=1.0, turn_latency=0))
     assert first == retried
     after = {p: p.read_bytes() for p in Path(world.root).rglob("*") if p.is_file()}
     assert after == before  # the agent's answer.txt went to its own copy
     assert not (Path(world.root) / "answer.txt").exists()
+    assert list((tmp_path / "trials").iterdir()) == []  # each trial's copy was removed
 
 
 def test_flaky_failure_only_on_the_first_attempt(tmp_path: Path) -> None:
-    world = _run(build_world("w0", worlds_dir=tmp_path))
+    world = _run(build_world("w0", snapshots_dir=tmp_path / "snapshots"))
     spec = TrialSpec(trial_id="s0-p0-n0", step=0, world_id="w0", prompt="find the secret")
     with pytest.raises(hunt_env.InjectedFailure):
         _run(generate(spec, hunt_env.initial_weights(["w0"]), world, flaky_trial_rate=1.0, turn_latency=0))
@@ -195,12 +198,13 @@ def test_the_default_run_without_an_engine_has_the_spec_figures(tmp_path: Path) 
 
     async def run() -> list[tuple[float, float, int, int]]:
         wids = ["w0", "w1", "w2"]
-        worlds = {w: await build_world(w, worlds_dir=tmp_path) for w in wids}
+        sandbox = SandboxSettings(trials_dir=tmp_path / "trials")
+        worlds = {w: await build_world(w, snapshots_dir=tmp_path / "snapshots") for w in wids}
         weights, out = hunt_env.initial_weights(wids), []
         for step in range(3):
             rewards = []
             for spec in hunt_env.trial_specs(step, wids, 3, 2):
-                traj = await generate(spec, weights, worlds[spec.world_id], turn_latency=0)
+                traj = await generate(spec, weights, worlds[spec.world_id], sandbox=sandbox, turn_latency=0)
                 rewards.append(await verify_and_judge(traj, V1, judge=SimulatedJudge(0)))
             result = await train_step(step, weights, rewards, 2.0)
             weights = result.weights

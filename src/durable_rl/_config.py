@@ -37,6 +37,9 @@ class RunConfig(_Frozen):
         description="Trial ids whose tool calls never return, to exercise the trial timeout.",
     )
     trial_timeout: float = Field(300.0, gt=0.0, description="Seconds one trial attempt may run before it is cancelled.")
+    workspace: str = Field(
+        "auto", description="How a trial gets its private working copy: auto, overlay, reflink or copy."
+    )
     sandbox_slots: int = Field(16, ge=1, description="Trials that may run at once.")
     judge_concurrency: int = Field(16, ge=1, description="Judge calls that may run at once.")
     crash_driver_at_step: int = Field(
@@ -50,6 +53,13 @@ class RunConfig(_Frozen):
     def _known_rubric(cls, name: str) -> str:
         if name not in RUBRICS:
             raise ValueError(f"unknown rubric {name!r}; known: {', '.join(RUBRICS)}")
+        return name
+
+    @field_validator("workspace")
+    @classmethod
+    def _known_method(cls, name: str) -> str:
+        if name not in ("auto", "overlay", "reflink", "copy"):
+            raise ValueError(f"unknown working-copy method {name!r}; known: auto, overlay, reflink, copy")
         return name
 
     @property

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from pathlib import Path
 
 from ._models import JudgeAnswer, Reward, Rubric, Trajectory, TrialSpec, Turn, Weights
+from ._sandbox._tools import SandboxTools
 
 N_DOCS = 8
 PROMPT = "find the secret"
@@ -71,14 +71,14 @@ def initial_weights(world_ids: list[str]) -> Weights:
 async def hunt(
     spec: TrialSpec,
     weights: Weights,
-    workdir: Path,
+    tools: SandboxTools,
     *,
     attempt: int,
     flaky_trial_rate: float,
     turn_latency: float,
     hang: bool = False,
 ) -> Trajectory:
-    """The bandit agent in its private working copy: read documents in prior order until found."""
+    """The bandit agent, through its sandbox tools: read documents in prior order until found."""
     rng = random.Random(seed("trial", spec.trial_id))
     u = rng.random()  # drawn on every attempt, so a retry follows the unfailed trajectory
     if attempt == 0 and u < flaky_trial_rate:
@@ -95,7 +95,7 @@ async def hunt(
     turns: list[Turn] = []
     answer: str | None = None
     for doc in order[: spec.max_turns]:
-        text = (workdir / "docs" / f"doc_{doc}.txt").read_text()
+        text = await tools.read_file(f"docs/doc_{doc}.txt")
         found = "secret_sha256:" in text
         turns.append(Turn(doc=doc, found=found))
         if hang:  # a tool call that never returns: only the trial's timeout ends it
@@ -106,9 +106,9 @@ async def hunt(
             break
 
     written = ["answer.txt"]
-    (workdir / "answer.txt").write_text(answer or "")
+    await tools.write_file("answer.txt", answer or "")
     if rng.random() < 0.3:  # an untidy agent leaves a scratch file behind
-        (workdir / "scratch.tmp").write_text("notes")
+        await tools.write_file("scratch.tmp", "notes")
         written.append("scratch.tmp")
     return Trajectory(
         trial_id=spec.trial_id,

@@ -6,15 +6,17 @@ They never import the engine, the CLI or the report; each runs as-is in a unit t
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from pydantic import Field
+
 from . import _secret_hunt as hunt_env
-from ._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World
+from ._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
+from ._sandbox._process import Limits, sandbox_uid
+from ._sandbox._tools import SandboxTools
+from ._sandbox._workspace import publish_snapshot, working_copy
 from ._unit import unit
 
 
@@ -26,67 +28,58 @@ class Judge(Protocol):
     async def judge(self, traj: Trajectory, rubric: Rubric) -> JudgeAnswer: ...
 
 
-@unit(name="build_world", version="1", tier="sandbox", retries=1)
-async def build_world(world_id: str, *, worlds_dir: Path) -> World:
-    """Write the world's snapshot once under `worlds_dir`; later calls find it and reuse it."""
-    files = hunt_env.world_files(world_id)
-    digest = hashlib.sha256()
-    for rel in sorted(files):
-        digest.update(f"{rel}\x00{files[rel]}\x00".encode())
-    content = digest.hexdigest()
-    root = worlds_dir / f"{world_id}-{content[:16]}"
-    await asyncio.to_thread(_publish_snapshot, root, files)
+class SandboxSettings(_Frozen):
+    """Where and how trials get their private working copies, and what their commands may use."""
+
+    trials_dir: Path = Field(
+        default_factory=lambda: Path(tempfile.gettempdir()) / "durable-rl-trials",
+        description="Folder of the trials' working copies (swept of dead ones at driver start).",
+    )
+    method: str = Field("auto", description="Working-copy method: auto, overlay, reflink or copy.")
+    limits: Limits = Field(default_factory=Limits, description="Limits of every command a trial runs.")
+
+
+@unit(name="build_world", version="2", tier="sandbox", retries=1)
+async def build_world(world_id: str, *, snapshots_dir: Path) -> World:
+    """Publish the world's files as a content-addressed snapshot, once; later calls find it."""
+
+    def publish() -> tuple[Path, str]:
+        with tempfile.TemporaryDirectory(prefix=f"world-{world_id}-") as tmp:
+            for rel, text in hunt_env.world_files(world_id).items():
+                path = Path(tmp) / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            return publish_snapshot(Path(tmp), snapshots_dir)
+
+    root, content = await asyncio.to_thread(publish)
     return World(world_id=world_id, root=str(root), content_sha256=content)
 
 
-def _publish_snapshot(root: Path, files: dict[str, str]) -> None:
-    if root.exists():
-        return
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    for rel, text in files.items():
-        path = staging / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        path.chmod(0o444)  # a snapshot is read-only; trials write to their own copy
-    try:
-        os.rename(staging, root)  # atomic: a reader sees no world or a whole one
-    except OSError:
-        shutil.rmtree(staging)  # another process published the same snapshot first
-
-
-def _private_copy(root: str, workdir: Path) -> None:
-    shutil.copytree(root, workdir, dirs_exist_ok=True)
-    for path in workdir.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)  # the copy is the trial's to change
-
-
-@unit(name="generate", version="1", tier="sandbox", retries=1, timeout_s=300.0)
+@unit(name="generate", version="2", tier="sandbox", retries=1, timeout_s=300.0)
 async def generate(
     spec: TrialSpec,
     weights: Weights,
     world: World,
     *,
+    sandbox: SandboxSettings | None = None,
     attempt: int = 0,
     flaky_trial_rate: float = 0.0,
     turn_latency: float = 0.2,
     hang: bool = False,
 ) -> Trajectory:
     """One trial on a private copy of the world; the same inputs give the same trajectory."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"durable-rl-{spec.trial_id}-"))
-    try:  # removed however the trial ends, a cancelled (timed-out) one included
-        await asyncio.to_thread(_private_copy, world.root, workdir)
+    sandbox = sandbox or SandboxSettings()
+    uid = sandbox_uid()
+    async with working_copy(Path(world.root), sandbox.trials_dir, method=sandbox.method, owner_uid=uid) as ws:
         return await hunt_env.hunt(
             spec,
             weights,
-            workdir,
+            SandboxTools(ws.path, limits=sandbox.limits, uid=uid),
             attempt=attempt,
             flaky_trial_rate=flaky_trial_rate,
             turn_latency=turn_latency,
             hang=hang,
         )
-    finally:
-        await asyncio.to_thread(shutil.rmtree, workdir, ignore_errors=True)
 
 
 @unit(name="verify_and_judge", version="1", tier="judge", retries=2)

@@ -31,6 +31,7 @@ from .._config import RunConfig
 from .._identity import canonical, canonical_json, identity
 from .._loop import StepRecord, TrialOutcome, UnitFailed, drive, run_trial
 from .._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World
+from .._sandbox._workspace import sweep
 from .._unit import policy_of
 from ._sqlite import sqlite_engine
 from ._store import Store, sqlite_path, state_dir
@@ -76,6 +77,14 @@ def _config(run_id: str) -> RunConfig:
     return RunConfig.model_validate(row.config)
 
 
+def _state_dir() -> Path:
+    return state_dir(_p().url, Path.cwd())
+
+
+def _sandbox(config: RunConfig) -> units.SandboxSettings:
+    return units.SandboxSettings(trials_dir=_state_dir() / "trials", method=config.workspace)
+
+
 # The units as the engine calls them: decode arguments, say what their identity is made of.
 @dataclass(frozen=True)
 class _Kind:
@@ -115,7 +124,7 @@ class _RecordedJudge:
 
 
 async def _call_build_world(args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str) -> World:
-    return await units.build_world(args["world_id"], worlds_dir=state_dir(_p().url, Path.cwd()) / "worlds")
+    return await units.build_world(args["world_id"], snapshots_dir=_state_dir() / "snapshots")
 
 
 async def _call_generate(args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str) -> Trajectory:
@@ -124,6 +133,7 @@ async def _call_generate(args: dict[str, Any], attempt: int, config: RunConfig, 
         spec,
         Weights.model_validate(args["weights"]),
         World.model_validate(args["world"]),
+        sandbox=_sandbox(config),
         attempt=attempt,
         flaky_trial_rate=config.flaky_trial_rate,
         turn_latency=config.turn_latency,
@@ -369,6 +379,9 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
     if sqlite_path(url) is not None:
         config["system_database_engine"] = sqlite_engine(url)
     _proc = _Process(store=store, url=url, attempt=attempt, out=out, queues={})
+    swept = sweep(_state_dir() / "trials")  # working copies a killed driver left, mounts included
+    if swept:
+        print(f"removed {swept} working copies left by a dead process", file=sys.stderr)
     DBOS(config=config)
     DBOS.launch()
     try:

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from .._errors import UserError
+from .._procs import pid_alive
 from ._sqlite import sqlite_engine
 
 _meta = sa.MetaData()
@@ -327,7 +328,7 @@ class Store:
         if not tried:
             return "interrupted" if time.time() - row.created_at > 60 else "running"
         last = tried[-1]
-        if last["host"] == socket.gethostname() and not _pid_alive(last["pid"]):
+        if last["host"] == socket.gethostname() and not pid_alive(last["pid"]):
             return "interrupted"
         return "running"
 
@@ -350,19 +351,6 @@ class Store:
                 )
             if done is not None:
                 c.execute(events.insert().values(run_id=run_id, at=time.time(), **done))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process nobody has reaped yet is a zombie: dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _run_row(row: Any) -> RunRow:

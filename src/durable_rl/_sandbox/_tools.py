@@ -1,0 +1,79 @@
+"""The agent's tools, bound to one trial's working copy: list, read, write, run.
+
+Every path is resolved inside the working copy: absolute paths, `..` and symlinks that lead
+out of it are refused with a ToolError, whatever the agent asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path, PurePosixPath
+
+from ._process import CommandResult, Limits, run_command
+
+
+class ToolError(Exception):
+    """A tool call the sandbox refused or could not do; the message says why."""
+
+
+class SandboxTools:
+    """Tools over one working copy; commands run with the trial's limits and uid."""
+
+    def __init__(self, root: Path, *, limits: Limits | None = None, uid: int | None = None) -> None:
+        self.root = root.resolve()
+        self.limits = limits or Limits()
+        self.uid = uid
+
+    def resolve(self, path: str) -> Path:
+        """The real path of `path` inside the working copy, or a ToolError."""
+        pure = PurePosixPath(path)
+        if pure.is_absolute():
+            raise ToolError(f"{path!r}: absolute paths are refused; paths are relative to the working copy")
+        if ".." in pure.parts:
+            raise ToolError(f"{path!r}: '..' is refused; paths stay inside the working copy")
+        real = Path(os.path.realpath(self.root / pure))  # follows every symlink on the way
+        if real != self.root and self.root not in real.parents:
+            raise ToolError(f"{path!r}: leads outside the working copy (through a symlink)")
+        return real
+
+    async def list_dir(self, path: str = ".") -> list[str]:
+        """Names in a folder of the working copy, sorted; folders end with '/'."""
+        target = self.resolve(path)
+
+        def names() -> list[str]:
+            if not target.is_dir():
+                raise ToolError(f"{path!r}: not a folder")
+            return sorted(p.name + ("/" if p.is_dir() else "") for p in target.iterdir())
+
+        return await asyncio.to_thread(names)
+
+    async def read_file(self, path: str) -> str:
+        """A text file of the working copy."""
+        target = self.resolve(path)
+
+        def read() -> str:
+            if not target.is_file():
+                raise ToolError(f"{path!r}: no such file")
+            return target.read_text(errors="replace")
+
+        return await asyncio.to_thread(read)
+
+    async def write_file(self, path: str, text: str) -> None:
+        """Write a text file of the working copy, making its folders as needed."""
+        target = self.resolve(path)
+
+        def write() -> None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW  # never through a last-moment symlink
+            fd = os.open(target, flags, 0o666)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            if self.uid is not None:
+                os.chown(target, self.uid, self.uid)
+
+        await asyncio.to_thread(write)
+
+    async def run(self, command: str, *, env: dict[str, str] | None = None) -> CommandResult:
+        """Run a shell command in the working copy, under the trial's limits."""
+        return await run_command(command, cwd=self.root, limits=self.limits, uid=self.uid, env=env)

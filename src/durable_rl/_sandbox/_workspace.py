@@ -1,0 +1,197 @@
+"""Snapshots and private working copies.
+
+A snapshot is an immutable folder named by the hash of its content. A trial works on a private
+copy made the cheapest way the machine allows: an overlay mount (the snapshot is the read-only
+lower layer, the trial writes to its own upper layer), a reflink clone where the filesystem
+shares blocks, or a plain copy. The copy is removed when the trial ends, and `sweep` removes
+what a killed process left behind, mounts included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .._procs import pid_alive
+
+Method = Literal["overlay", "reflink", "copy"]
+METHODS: tuple[Method, ...] = ("overlay", "reflink", "copy")
+_OWNER_FILE = "owner.pid"
+
+
+def content_hash(root: Path) -> str:
+    """sha256 over every file's relative path, executable bit and bytes, in sorted order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink()):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            digest.update(f"L\x00{rel}\x00{os.readlink(path)}\x00".encode())
+            continue
+        digest.update(f"F\x00{rel}\x00{os.access(path, os.X_OK):d}\x00".encode())
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def publish_snapshot(source: Path, snapshots_dir: Path) -> tuple[Path, str]:
+    """Copy `source` into the snapshot store once; return its folder and content hash."""
+    content = content_hash(source)
+    root = snapshots_dir / content
+    if root.exists():
+        return root, content
+    snapshots_dir.mkdir(parents=True, exist_ok=True)
+    snapshots_dir.chmod(0o700)  # sandboxed uids cannot reach a snapshot except through a mount
+    staging = Path(tempfile.mkdtemp(prefix=f".{content[:12]}-", dir=snapshots_dir))
+    shutil.copytree(source, staging, symlinks=True, dirs_exist_ok=True)
+    _open_modes(staging)
+    try:
+        os.rename(staging, root)  # atomic: readers see no snapshot or a whole one
+    except OSError:
+        shutil.rmtree(staging)  # another process published the same content first
+    return root, content
+
+
+def _open_modes(root: Path) -> None:
+    # Whoever works on a copy may change any file of it; the snapshot itself is shielded by
+    # its parent folder (0700) and by the overlay, which never writes to a lower layer.
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            path.chmod(0o777)
+        else:
+            path.chmod(0o777 if mode & 0o111 else 0o666)
+
+
+@functools.cache
+def available_methods(base: Path) -> tuple[Method, ...]:
+    """The working-copy methods this machine offers under `base`, cheapest first."""
+    base.mkdir(parents=True, exist_ok=True)
+    found: list[Method] = []
+    with tempfile.TemporaryDirectory(dir=base, prefix=".probe-") as tmp:
+        probe = Path(tmp)
+        for name in ("lower", "upper", "work", "merged"):
+            (probe / name).mkdir()
+        (probe / "lower" / "f").write_text("x")
+        if _mount_overlay(probe / "lower", probe / "upper", probe / "work", probe / "merged"):
+            _unmount(probe / "merged")
+            found.append("overlay")
+        clone = subprocess.run(
+            ["cp", "--reflink=always", str(probe / "lower" / "f"), str(probe / "g")], capture_output=True, check=False
+        )
+        if clone.returncode == 0:
+            found.append("reflink")
+    found.append("copy")
+    return tuple(found)
+
+
+def choose_method(base: Path, requested: str = "auto") -> Method:
+    """The method to use: the cheapest available for `auto`, else the one asked for if offered."""
+    offered = available_methods(base)
+    if requested == "auto":
+        return offered[0]
+    if requested not in offered:
+        raise ValueError(f"working-copy method {requested!r} is not available here (offered: {', '.join(offered)})")
+    return requested
+
+
+def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> bool:
+    if os.geteuid() != 0:
+        return False
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    done = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(merged)], capture_output=True)
+    return done.returncode == 0
+
+
+def _unmount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A trial's private working copy."""
+
+    path: Path
+    method: Method
+    setup_s: float
+
+
+def _make(snapshot: Path, trial_dir: Path, method: Method, owner_uid: int | None) -> Path:
+    trial_dir.mkdir(parents=True)
+    (trial_dir / _OWNER_FILE).write_text(str(os.getpid()))
+    if method == "overlay":
+        upper, work, merged = trial_dir / "upper", trial_dir / "work", trial_dir / "merged"
+        for d in (upper, work, merged):
+            d.mkdir()
+        if owner_uid is not None:
+            os.chown(upper, owner_uid, owner_uid)
+        upper.chmod(0o700)  # the merged root takes its owner and mode from the upper layer
+        if not _mount_overlay(snapshot, upper, work, merged):
+            raise OSError(f"overlay mount of {snapshot} failed")
+        return merged
+    copy = trial_dir / "copy"
+    if method == "reflink":
+        subprocess.run(["cp", "-a", "--reflink=always", str(snapshot), str(copy)], check=True, capture_output=True)
+    else:
+        shutil.copytree(snapshot, copy, symlinks=True)
+    if owner_uid is not None:
+        os.chown(copy, owner_uid, owner_uid)
+    copy.chmod(0o700)
+    return copy
+
+
+def _remove(trial_dir: Path) -> None:
+    merged = trial_dir / "merged"
+    if merged.exists() and os.path.ismount(merged):
+        _unmount(merged)
+    shutil.rmtree(trial_dir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def working_copy(
+    snapshot: Path, trials_dir: Path, *, method: str = "auto", owner_uid: int | None = None
+) -> AsyncIterator[Workspace]:
+    """A private copy of `snapshot` for one trial, removed however the trial ends."""
+    chosen = await asyncio.to_thread(choose_method, trials_dir, method)
+    trial_dir = trials_dir / f"t-{uuid.uuid4().hex}"
+    t0 = time.perf_counter()
+    try:
+        path = await asyncio.to_thread(_make, snapshot, trial_dir, chosen, owner_uid)
+        yield Workspace(path=path, method=chosen, setup_s=time.perf_counter() - t0)
+    finally:
+        await asyncio.shield(asyncio.to_thread(_remove, trial_dir))
+
+
+def sweep(trials_dir: Path) -> int:
+    """Remove working copies whose process is gone (unmounting them first); return how many."""
+    if not trials_dir.is_dir():
+        return 0
+    removed = 0
+    for trial_dir in trials_dir.iterdir():
+        owner = trial_dir / _OWNER_FILE
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            pid = None
+        if pid is None and time.time() - trial_dir.stat().st_mtime < 60:
+            continue  # a copy being made right now, its owner not yet written
+        if pid is not None and (pid == os.getpid() or pid_alive(pid)):
+            continue
+        _remove(trial_dir)
+        removed += 1
+    return removed
