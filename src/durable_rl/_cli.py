@@ -19,6 +19,7 @@ from ._config import RUBRICS, RunConfig
 from ._engine._store import Store, check_url, default_url, state_dir
 from ._engine._supervisor import supervise
 from ._errors import UserError
+from ._loop import plan
 
 app = typer.Typer(
     add_completion=False,
@@ -77,6 +78,19 @@ def _run_or_fail(store: Store | None, run_id: str) -> Store:
     return store
 
 
+def _task_folder(tasks: Path | None) -> str | None:
+    """The absolute folder of a valid Harbor task set, checked before anything is written."""
+    if tasks is None:
+        return None
+    from ._harbor import TaskError, load_tasks
+
+    try:
+        load_tasks(tasks.resolve())
+    except TaskError as e:
+        _fail(f"--tasks: {e}")
+    return str(tasks.resolve())
+
+
 def _new_run_id() -> str:
     return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
@@ -101,11 +115,9 @@ def _launch(config: RunConfig, run_id: str | None, as_json: bool) -> None:
 def _supervise_and_report(store: Store, run_id: str, config: RunConfig, as_json: bool) -> None:
     lines = sys.stderr if as_json else sys.stdout
     if not as_json:
-        print(
-            f"run {run_id}: {config.n_steps} steps x {config.prompts_per_step * config.n_samples} trials, "
-            f"rubric {config.rubric}, state {_state.url}",
-            flush=True,
-        )
+        source = f"tasks {config.tasks}, agent {config.agent}" if config.tasks else f"rubric {config.rubric}"
+        n_trials = len(plan(config)[1](0))
+        print(f"run {run_id}: {config.n_steps} steps x {n_trials} trials, {source}, state {_state.url}", flush=True)
     ok = supervise(run_id, _state.url, config.driver_retries, lines)
     summary = store.summary(run_id)
     report = _write_report(store, run_id)
@@ -160,6 +172,10 @@ def train(
     judge_latency: Annotated[float, typer.Option(help=_help("judge_latency"))] = 0.5,
     trial_timeout: Annotated[float, typer.Option(help=_help("trial_timeout"))] = 300.0,
     hang_trial: Annotated[list[str] | None, typer.Option(help=_help("hang_trials"))] = None,
+    tasks: Annotated[
+        Path | None, typer.Option(help="Folder of Harbor tasks to train on instead of secret-hunt.")
+    ] = None,
+    agent: Annotated[str, typer.Option(help=_help("agent"))] = "oracle",
     workspace: Annotated[str, typer.Option(help=_help("workspace"))] = "auto",
     sandbox_slots: Annotated[int, typer.Option(help=_help("sandbox_slots"))] = 16,
     judge_concurrency: Annotated[int, typer.Option(help=_help("judge_concurrency"))] = 16,
@@ -182,6 +198,8 @@ def train(
         trial_timeout=trial_timeout,
         hang_trials=hang_trial or [],
         workspace=workspace,
+        tasks=_task_folder(tasks),
+        agent=agent,
         sandbox_slots=sandbox_slots,
         judge_concurrency=judge_concurrency,
         crash_driver_at_step=crash_driver_at_step,
@@ -266,9 +284,16 @@ def list_runs(as_json: _JSON = False) -> None:
 
 
 @app.command()
-def show(run_id: Annotated[str, typer.Argument(help="The run to show.")], as_json: _JSON = False) -> None:
-    """Show a run: its steps and its counters."""
+def show(
+    run_id: Annotated[str, typer.Argument(help="The run to show.")],
+    show_trials: Annotated[bool, typer.Option("--trials", help="Show each trial's result instead.")] = False,
+    as_json: _JSON = False,
+) -> None:
+    """Show a run: its steps and its counters, or with --trials each trial's result."""
     store = _run_or_fail(_existing_store(), run_id)
+    if show_trials:
+        _show_trials(store.trials(run_id), as_json)
+        return
     summary = store.summary(run_id)
     if as_json:
         print(json.dumps(summary))
@@ -299,6 +324,26 @@ def show(run_id: Annotated[str, typer.Argument(help="The run to show.")], as_jso
     for name, value in summary["counters"].items():
         counters.add_row(name, str(value))
     console.print(counters)
+
+
+def _show_trials(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows))
+        return
+    table = Table("trial", "reward", "rewards", "error", "timings s", "reported")
+    for t in rows:
+        info = dict(t["info"])
+        timings = info.pop("timings", {})
+        error = f"{t['error_type']}: {t['error_message']}" if t["error_type"] else (t["error_message"] or "")
+        table.add_row(
+            t["trial_id"],
+            "" if t["reward"] is None else f"{t['reward']}",
+            ", ".join(f"{k}={v}" for k, v in t["rewards"].items()),
+            error,
+            ", ".join(f"{k} {v:.2f}" for k, v in timings.items()),
+            ", ".join(f"{k}={v}" for k, v in info.items() if k != "rewards"),
+        )
+    Console().print(table)
 
 
 def _iso(t: float) -> str:

@@ -45,6 +45,10 @@ class RunConfig(_Frozen):
     crash_driver_at_step: int = Field(
         -1, description="Kill the driver process hard right after this step, on its first attempt."
     )
+    tasks: str | None = Field(
+        None, description="Folder of Harbor tasks to train on instead of secret-hunt (absolute path)."
+    )
+    agent: str = Field("oracle", description="Agent for Harbor tasks: oracle (runs the solution) or nop.")
     driver_retries: int = Field(2, ge=0, description="Times the supervisor restarts a dead driver.")
     source_run: str | None = Field(None, description="The run this one re-scores, if any.")
 
@@ -53,6 +57,13 @@ class RunConfig(_Frozen):
     def _known_rubric(cls, name: str) -> str:
         if name not in RUBRICS:
             raise ValueError(f"unknown rubric {name!r}; known: {', '.join(RUBRICS)}")
+        return name
+
+    @field_validator("agent")
+    @classmethod
+    def _known_agent(cls, name: str) -> str:
+        if name not in ("oracle", "nop"):
+            raise ValueError(f"unknown agent {name!r}; known: oracle, nop")
         return name
 
     @field_validator("workspace")

@@ -54,6 +54,10 @@ class Trajectory(_Frozen):
     answer: str | None = Field(description="The digest the agent reported, None if it found none.")
     files_written: list[str] = Field(description="Files the agent left in its working copy.")
 
+    def summary(self) -> dict[str, object]:
+        """What a per-trial table shows of it."""
+        return {"turns": len(self.turns), "answered": self.answer is not None}
+
 
 class Rubric(_Frozen):
     """Judge configuration: an input, so changing it re-runs only judging and training."""
@@ -81,6 +85,9 @@ class Reward(_Frozen):
     judge_score: float = Field(description="The judge's score.")
     reward: float = Field(description="Verifier plus judge: what the trainer learns from.")
     found_doc: int | None = Field(description="Document where the secret was found, if any.")
+    rewards: dict[str, float] = Field(
+        default_factory=dict, description="Named rewards of a verifier that reports several (reward.json)."
+    )
 
 
 class StepResult(_Frozen):

@@ -25,11 +25,12 @@ from typing import Any, TypeVar
 from dbos import DBOS, DBOSConfig, Queue, SetWorkflowID, WorkflowHandleAsync
 from pydantic import BaseModel
 
+from .. import _harbor as harbor
 from .. import _secret_hunt as hunt_env
 from .. import _units as units
 from .._config import RunConfig
 from .._identity import canonical, canonical_json, identity
-from .._loop import StepRecord, TrialOutcome, UnitFailed, drive, run_trial
+from .._loop import AnyTrajectory, StepRecord, TrialOutcome, UnitFailed, drive, run_trial
 from .._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World
 from .._sandbox._workspace import sweep
 from .._unit import policy_of
@@ -92,15 +93,25 @@ class _Kind:
     output: type[BaseModel]
     identity_inputs: Callable[[dict[str, Any]], dict[str, Any]]
     call: Callable[[dict[str, Any], int, RunConfig, str, str], Awaitable[BaseModel]]
-
-    def timeout(self, config: RunConfig) -> float | None:
-        if self.fn is units.generate:
-            return config.trial_timeout
-        return policy_of(self.fn).timeout_s
+    timeout: Callable[[RunConfig, dict[str, Any]], float | None]
 
 
 def _world_identity(world: dict[str, Any]) -> dict[str, Any]:
     return {"world_id": world["world_id"], "content_sha256": world["content_sha256"]}
+
+
+def _task_identity(task: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in task.items() if k != "path"}  # where the folder lies is not what it is
+
+
+def _declared_timeout(fn: Callable[..., Any]) -> Callable[[RunConfig, dict[str, Any]], float | None]:
+    return lambda config, args: policy_of(fn).timeout_s
+
+
+def _harbor_trial_timeout(config: RunConfig, args: dict[str, Any]) -> float:
+    # the trial's own deadlines bound its phases; this one only catches a stuck runner
+    task = harbor.HarborTask.model_validate(args["task"])
+    return (task.config.agent.timeout_sec or 600.0) + task.config.verifier.timeout_sec + 60.0
 
 
 class _RecordedJudge:
@@ -163,22 +174,84 @@ async def _call_train_step(args: dict[str, Any], attempt: int, config: RunConfig
     )
 
 
-_KINDS: dict[str, _Kind] = {
-    "build_world": _Kind(units.build_world, World, lambda a: {"world_id": a["world_id"]}, _call_build_world),
+async def _call_task_world(args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str) -> World:
+    task = harbor.HarborTask.model_validate(args["task"])
+    return await harbor.build_task_world(task, snapshots_dir=_state_dir() / "snapshots")
+
+
+async def _call_task_trial(
+    args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str
+) -> harbor.TaskTrajectory:
+    return await harbor.run_task_trial(
+        TrialSpec.model_validate(args["spec"]),
+        Weights.model_validate(args["weights"]),
+        World.model_validate(args["world"]),
+        harbor.HarborTask.model_validate(args["task"]),
+        args["agent"],
+        trials_dir=_state_dir() / "trials",
+        method=config.workspace,
+    )
+
+
+async def _call_task_score(args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str) -> Reward:
+    return await harbor.score_task(harbor.TaskTrajectory.model_validate(args["traj"]))
+
+
+_TRAIN = _Kind(units.train_step, StepResult, lambda a: a, _call_train_step, _declared_timeout(units.train_step))
+_SECRET_HUNT: dict[str, _Kind] = {
+    "build_world": _Kind(
+        units.build_world,
+        World,
+        lambda a: {"world_id": a["world_id"]},
+        _call_build_world,
+        _declared_timeout(units.build_world),
+    ),
     "generate": _Kind(
         units.generate,
         Trajectory,
         lambda a: {"spec": a["spec"], "weights": a["weights"], "world": _world_identity(a["world"])},
         _call_generate,
+        lambda config, args: config.trial_timeout,
     ),
     "verify_and_judge": _Kind(
         units.verify_and_judge,
         Reward,
         lambda a: {"traj": a["traj"], "rubric": a["rubric"], "judge_model": hunt_env.SIMULATED_JUDGE_MODEL},
         _call_verify_and_judge,
+        _declared_timeout(units.verify_and_judge),
     ),
-    "train_step": _Kind(units.train_step, StepResult, lambda a: a, _call_train_step),
+    "train_step": _TRAIN,
 }
+_HARBOR: dict[str, _Kind] = {
+    "build_world": _Kind(
+        harbor.build_task_world,
+        World,
+        lambda a: {"task": _task_identity(a["task"])},
+        _call_task_world,
+        _declared_timeout(harbor.build_task_world),
+    ),
+    "generate": _Kind(
+        harbor.run_task_trial,
+        harbor.TaskTrajectory,
+        lambda a: {
+            "spec": a["spec"],
+            "weights": a["weights"],
+            "world": _world_identity(a["world"]),
+            "task": _task_identity(a["task"]),
+            "agent": a["agent"],
+        },
+        _call_task_trial,
+        _harbor_trial_timeout,
+    ),
+    "verify_and_judge": _Kind(
+        harbor.score_task, Reward, lambda a: {"traj": a["traj"]}, _call_task_score, _declared_timeout(harbor.score_task)
+    ),
+    "train_step": _TRAIN,
+}
+
+
+def _kinds(config: RunConfig) -> dict[str, _Kind]:
+    return _HARBOR if config.tasks is not None else _SECRET_HUNT
 
 
 def _still_valid(unit: str, output: str) -> bool:
@@ -191,7 +264,8 @@ def _still_valid(unit: str, output: str) -> bool:
 async def _attempt(run_id: str, unit: str, key: str, ident: str, args_json: str, attempt: int) -> dict[str, Any]:
     """One attempt of a unit, the first one after a look for a recorded output of the same
     identity; its outcome (never an exception) is what DBOS records."""
-    store, kind, config = _p().store, _KINDS[unit], _config(run_id)
+    config = _config(run_id)
+    store, kind, args = _p().store, _kinds(config)[unit], json.loads(args_json)
     if attempt == 0:
         recorded = await _db(store.cache_get, ident)
         if recorded is not None and _still_valid(unit, recorded):
@@ -199,9 +273,9 @@ async def _attempt(run_id: str, unit: str, key: str, ident: str, args_json: str,
             return {"ok": True, "output": recorded}
     await _db(store.event, run_id, f"{unit}_attempt", key, attempt=attempt)
     t0 = time.monotonic()
-    timeout = kind.timeout(config)
+    timeout = kind.timeout(config, args)
     try:
-        output = await asyncio.wait_for(kind.call(json.loads(args_json), attempt, config, run_id, key), timeout)
+        output = await asyncio.wait_for(kind.call(args, attempt, config, run_id, key), timeout)
     except TimeoutError:
         error = f"TimeoutError: attempt {attempt} passed its {timeout:g} s deadline and was cancelled"
     except Exception as e:  # any failure of the unit's own code fails this attempt only
@@ -218,7 +292,7 @@ async def _attempt(run_id: str, unit: str, key: str, ident: str, args_json: str,
 @DBOS.workflow(name="durable_rl.unit")
 async def unit_workflow(run_id: str, unit: str, key: str, args_json: str) -> dict[str, Any]:
     """A unit call: reuse a recorded output of the same identity, else attempt it."""
-    kind = _KINDS[unit]
+    kind = _kinds(_config(run_id))[unit]
     policy = policy_of(kind.fn)
     ident = identity(policy.name, policy.version, kind.identity_inputs(json.loads(args_json)))
     result: dict[str, Any] = {}
@@ -262,6 +336,19 @@ async def _record_step(run_id: str, record_json: str, attempt: int) -> None:
             "driver_attempt": attempt,
             "failed_trials": json.dumps(record.failed_trials, sort_keys=True),
         },
+        [
+            {
+                "run_id": run_id,
+                "trial_id": o.trial_id,
+                "step": r.step,
+                "reward": o.reward.reward if o.reward else None,
+                "rewards": json.dumps(o.reward.rewards if o.reward else {}),
+                "error_type": o.error_type,
+                "error_message": o.error_message,
+                "info": json.dumps(o.info, sort_keys=True),
+            }
+            for o in record.trials
+        ],
     )
     for trial_id, error in sorted(record.failed_trials.items()):
         print(f"  skipped {trial_id}: {error}", file=_p().out, flush=True)
@@ -291,6 +378,9 @@ class DbosOps:
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
+        self.config = _config(run_id)
+        tasks = harbor.tasks_at(self.config.tasks) if self.config.tasks is not None else ()
+        self.tasks = {t.name: t for t in tasks}
 
     async def _enqueue(self, tier: str, wid: str, unit: str, key: str, args: dict[str, Any]) -> Any:
         with SetWorkflowID(f"{self.run_id}/{wid}"):
@@ -301,20 +391,25 @@ class DbosOps:
         return _output(await handle.get_result(polling_interval_sec=RESULT_POLL_S))
 
     async def build_worlds(self, world_ids: list[str]) -> dict[str, World]:
-        handles = [await self._enqueue("sandbox", f"world/{w}", "build_world", w, {"world_id": w}) for w in world_ids]
+        handles = []
+        for w in world_ids:
+            args = canonical({"task": self.tasks[w]}) if self.tasks else {"world_id": w}
+            handles.append(await self._enqueue("sandbox", f"world/{w}", "build_world", w, args))
         worlds = {}
         for w, handle in zip(world_ids, handles, strict=True):  # awaited in order: a replay sees the same
             result = await handle.get_result(polling_interval_sec=RESULT_POLL_S)
             worlds[w] = World.model_validate_json(_output(result))
         return worlds
 
-    async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> Trajectory:
-        args = {"spec": spec, "weights": weights, "world": world}
+    async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> AnyTrajectory:
+        args: dict[str, Any] = {"spec": spec, "weights": weights, "world": world}
+        if self.tasks:
+            args |= {"task": self.tasks[spec.world_id], "agent": self.config.agent}
         text = await self._unit("sandbox", f"{spec.trial_id}/generate", "generate", spec.trial_id, canonical(args))
-        return Trajectory.model_validate_json(text)
+        return _kinds(self.config)["generate"].output.model_validate_json(text)  # type: ignore[return-value]
 
-    async def verify_and_judge(self, traj: Trajectory, rubric: Rubric) -> Reward:
-        args = {"traj": traj, "rubric": rubric}
+    async def verify_and_judge(self, traj: AnyTrajectory, rubric: Rubric) -> Reward:
+        args: dict[str, Any] = {"traj": traj} if self.tasks else {"traj": traj, "rubric": rubric}
         text = await self._unit("judge", f"{traj.trial_id}/judge", "verify_and_judge", traj.trial_id, canonical(args))
         return Reward.model_validate_json(text)
 

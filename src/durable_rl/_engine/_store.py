@@ -60,6 +60,18 @@ steps = sa.Table(
     sa.Column("driver_attempt", sa.Integer, nullable=False),
     sa.Column("failed_trials", sa.Text, nullable=False),
 )
+trials = sa.Table(
+    "drl_trials",
+    _meta,
+    sa.Column("run_id", sa.String(200), primary_key=True),
+    sa.Column("trial_id", sa.String(200), primary_key=True),
+    sa.Column("step", sa.Integer, nullable=False),
+    sa.Column("reward", sa.Float),
+    sa.Column("rewards", sa.Text, nullable=False),
+    sa.Column("error_type", sa.String(200)),
+    sa.Column("error_message", sa.Text),
+    sa.Column("info", sa.Text, nullable=False),
+)
 events = sa.Table(
     "drl_events",
     _meta,
@@ -240,13 +252,30 @@ class Store:
         return [dict(r._mapping) for r in rows]
 
     # steps
-    def record_step(self, row: dict[str, Any]) -> None:
+    def record_step(self, row: dict[str, Any], trial_rows: list[dict[str, Any]]) -> None:
+        """A finished step and its trials, once (a replay of the recording changes nothing)."""
         with self._tx() as c:
             exists = c.execute(
                 sa.select(steps.c.step).where(steps.c.run_id == row["run_id"], steps.c.step == row["step"])
             ).first()
             if exists is None:
                 c.execute(steps.insert().values(**row))
+                if trial_rows:
+                    c.execute(trials.insert(), trial_rows)
+
+    def trials(self, run_id: str) -> list[dict[str, Any]]:
+        """Per-trial results: reward(s), or the exception that made it skipped; what it reported."""
+        with self._tx() as c:
+            rows = c.execute(
+                trials.select().where(trials.c.run_id == run_id).order_by(trials.c.step, trials.c.trial_id)
+            )
+            out = []
+            for r in rows.all():
+                d = dict(r._mapping)
+                d["rewards"], d["info"] = json.loads(d["rewards"]), json.loads(d["info"])
+                del d["run_id"]
+                out.append(d)
+        return out
 
     def steps(self, run_id: str) -> list[dict[str, Any]]:
         with self._tx() as c:

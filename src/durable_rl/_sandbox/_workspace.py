@@ -129,11 +129,17 @@ class Workspace:
     path: Path
     method: Method
     setup_s: float
+    aux: Path  # beside the copy, outside the agent's view: a task's tests, solution and logs
 
 
 def _make(snapshot: Path, trial_dir: Path, method: Method, owner_uid: int | None) -> Path:
     trial_dir.mkdir(parents=True)
     (trial_dir / _OWNER_FILE).write_text(str(os.getpid()))
+    aux = trial_dir / "aux"
+    aux.mkdir()
+    if owner_uid is not None:
+        os.chown(aux, owner_uid, owner_uid)
+    aux.chmod(0o700)
     if method == "overlay":
         upper, work, merged = trial_dir / "upper", trial_dir / "work", trial_dir / "merged"
         for d in (upper, work, merged):
@@ -172,7 +178,7 @@ async def working_copy(
     t0 = time.perf_counter()
     try:
         path = await asyncio.to_thread(_make, snapshot, trial_dir, chosen, owner_uid)
-        yield Workspace(path=path, method=chosen, setup_s=time.perf_counter() - t0)
+        yield Workspace(path=path, method=chosen, setup_s=time.perf_counter() - t0, aux=trial_dir / "aux")
     finally:
         await asyncio.shield(asyncio.to_thread(_remove, trial_dir))
 

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "definitely not a number" > "$LOGS_DIR/verifier/reward.txt"

@@ -1,0 +1,2 @@
+#!/bin/bash
+if [ -f done.txt ]; then echo 1; else echo 0; fi > "$LOGS_DIR/verifier/reward.txt"
