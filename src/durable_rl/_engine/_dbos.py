@@ -32,7 +32,7 @@ from .._config import RunConfig
 from .._identity import canonical, canonical_json, identity
 from .._loop import AnyTrajectory, StepRecord, TrialOutcome, UnitFailed, drive, run_trial
 from .._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World
-from .._sandbox._workspace import sweep
+from .._sandbox._workspace import sweep, trials_dir_for
 from .._unit import policy_of
 from ._sqlite import sqlite_engine
 from ._store import Store, sqlite_path, state_dir
@@ -83,7 +83,7 @@ def _state_dir() -> Path:
 
 
 def _sandbox(config: RunConfig) -> units.SandboxSettings:
-    return units.SandboxSettings(trials_dir=_state_dir() / "trials", method=config.workspace)
+    return units.SandboxSettings(trials_dir=trials_dir_for(_state_dir()), method=config.workspace)
 
 
 # The units as the engine calls them: decode arguments, say what their identity is made of.
@@ -188,7 +188,7 @@ async def _call_task_trial(
         World.model_validate(args["world"]),
         harbor.HarborTask.model_validate(args["task"]),
         args["agent"],
-        trials_dir=_state_dir() / "trials",
+        trials_dir=trials_dir_for(_state_dir()),
         method=config.workspace,
     )
 
@@ -474,7 +474,7 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
     if sqlite_path(url) is not None:
         config["system_database_engine"] = sqlite_engine(url)
     _proc = _Process(store=store, url=url, attempt=attempt, out=out, queues={})
-    swept = sweep(_state_dir() / "trials")  # working copies a killed driver left, mounts included
+    swept = sweep(trials_dir_for(_state_dir()))  # working copies a killed driver left, mounts included
     if swept:
         print(f"removed {swept} working copies left by a dead process", file=sys.stderr)
     DBOS(config=config)

@@ -16,9 +16,10 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -124,27 +125,28 @@ async def run_command(
     argv, applied = _wrap(command, limits, uid)
     clean_env = {"PATH": SAFE_PATH, "HOME": str(cwd), "LANG": "C.UTF-8", "TMPDIR": str(cwd), **(env or {})}
     t0 = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=cwd,
-        env=clean_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group: the deadline kills all of it
-    )
-    out_task = asyncio.ensure_future(_read_capped(proc.stdout))
-    err_task = asyncio.ensure_future(_read_capped(proc.stderr))
-    timed_out = False
-    try:
-        await asyncio.wait_for(proc.wait(), limits.wall_s)
-    except TimeoutError:
-        timed_out = True
-    finally:
-        _kill_everything(proc.pid, uid)  # stragglers too: background children, a setsid'd escapee
-        if proc.returncode is None:
-            await proc.wait()
-    stdout, stderr = await out_task, await err_task
+    # Output goes to files, not pipes: a background child holding a pipe open must not keep
+    # the command "running" after its shell has exited.
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=cwd,
+            env=clean_env,
+            stdin=subprocess.DEVNULL,
+            stdout=out_file,
+            stderr=err_file,
+            start_new_session=True,  # its own process group: the deadline kills all of it
+        )
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), limits.wall_s)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            _kill_everything(proc.pid, uid)  # stragglers too: background children, a setsid'd escapee
+            if proc.returncode is None:
+                await proc.wait()
+        stdout, stderr = _read_capped(out_file), _read_capped(err_file)
     code = proc.returncode
     sig = _signal_of(code)
     return CommandResult(
@@ -158,14 +160,9 @@ async def run_command(
     )
 
 
-async def _read_capped(stream: asyncio.StreamReader | None) -> str:
-    if stream is None:
-        return ""
-    kept = bytearray()
-    while chunk := await stream.read(65536):
-        if len(kept) < OUTPUT_LIMIT:
-            kept += chunk[: OUTPUT_LIMIT - len(kept)]
-    return kept.decode("utf-8", errors="replace")
+def _read_capped(f: IO[bytes]) -> str:
+    f.seek(0)
+    return f.read(OUTPUT_LIMIT).decode("utf-8", errors="replace")
 
 
 def _kill_everything(pgid: int, uid: int | None) -> None:

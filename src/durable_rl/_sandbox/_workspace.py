@@ -65,6 +65,19 @@ def publish_snapshot(source: Path, snapshots_dir: Path) -> tuple[Path, str]:
     return root, content
 
 
+def trials_dir_for(state_dir: Path) -> Path:
+    """Where a state folder's working copies go: inside it when every folder above it lets
+    other users through (sandboxed commands run as their own uid), else a folder of its own
+    under the system's temporary folder, named by the state folder so a later start finds it."""
+    state_dir = state_dir.resolve()
+    if all(p.stat().st_mode & 0o001 for p in [state_dir, *state_dir.parents] if p.exists()):
+        return state_dir / "trials"
+    tag = hashlib.sha256(str(state_dir).encode()).hexdigest()[:16]
+    home = Path(tempfile.gettempdir()) / f"durable-rl-{tag}"
+    home.mkdir(mode=0o711, exist_ok=True)
+    return home / "trials"
+
+
 def _open_modes(root: Path) -> None:
     # Whoever works on a copy may change any file of it; the snapshot itself is shielded by
     # its parent folder (0700) and by the overlay, which never writes to a lower layer.
