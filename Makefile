@@ -28,6 +28,7 @@ check: lint test
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
+	$(BIN)/python benchmarks/working_copy.py
 
 clean:
 	rm -rf $(VENV) .durable-rl

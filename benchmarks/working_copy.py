@@ -1,0 +1,83 @@
+"""Time for a trial to have its private copy of a world, per method and world size.
+
+    .venv/bin/python benchmarks/working_copy.py [--sizes-mb 1 100 1024] [--repeat 3] [--dir PATH]
+
+For each size it writes a world (files of random bytes), publishes it as a snapshot, then times
+entering `working_copy` (the trial has its world) and leaving it (the copy is gone) with every
+method this machine offers. Figures are medians of --repeat runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from durable_rl._sandbox._workspace import available_methods, publish_snapshot, working_copy
+
+
+def make_world(root: Path, size_mb: int) -> None:
+    """size_mb of random bytes in files of up to 4 MiB, plus a few small ones, in nested folders."""
+    remaining = size_mb * 1024 * 1024
+    i = 0
+    while remaining > 0:
+        n = min(4 * 1024 * 1024, remaining)
+        path = root / f"d{i % 8}" / f"f{i}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(n))
+        remaining -= n
+        i += 1
+    for j in range(20):
+        (root / f"small{j}.txt").write_text(f"small file {j}\n")
+
+
+async def time_method(snapshot: Path, trials: Path, method: str, repeat: int) -> tuple[float, float]:
+    enter, leave = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        copy = working_copy(snapshot, trials, method=method)
+        ws = await copy.__aenter__()
+        t1 = time.perf_counter()
+        (ws.path / "written-by-trial").write_text("x")  # the copy is usable
+        await copy.__aexit__(None, None, None)
+        enter.append(t1 - t0)
+        leave.append(time.perf_counter() - t1)
+    return statistics.median(enter), statistics.median(leave)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 100, 1024])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="where to work (default: a temporary folder)")
+    args = parser.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="drl-bench-", dir=args.dir))
+    try:
+        trials = base / "trials"
+        methods = available_methods(trials)
+        print(f"methods offered here: {', '.join(methods)} (filesystem of {base})\n")
+        print("| world | publish snapshot s | method | have the world s | remove it s |")
+        print("|---|---|---|---|---|")
+        for size in args.sizes_mb:
+            src = base / f"src-{size}"
+            make_world(src, size)
+            t0 = time.perf_counter()
+            snapshot, _ = publish_snapshot(src, base / "snapshots")
+            published = time.perf_counter() - t0
+            shutil.rmtree(src)
+            for method in methods:
+                enter, leave = asyncio.run(time_method(snapshot, trials, method, args.repeat))
+                label = f"{size} MB" if size < 1024 else f"{size // 1024} GB"
+                print(f"| {label} | {published:.2f} | {method} | {enter:.4f} | {leave:.4f} |", flush=True)
+            shutil.rmtree(snapshot)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
