@@ -128,7 +128,7 @@ def test_json_mode_prints_only_json_on_stdout(cli: Cli) -> None:
     import json
 
     out = json.loads(proc.stdout)
-    assert set(out) == {"run_id", "status", "steps", "counters"}
+    assert set(out) == {"run_id", "status", "steps", "counters", "ledger"}
     assert set(out["steps"][0]) == {
         "step",
         "n_trials",

@@ -91,6 +91,20 @@ def _task_folder(tasks: Path | None) -> str | None:
     return str(tasks.resolve())
 
 
+def _prices(specs: list[str]) -> dict[str, tuple[float, float]]:
+    prices = {}
+    for spec in specs:
+        model, _, pair = spec.rpartition("=")
+        try:
+            prompt, completion = (float(x) for x in pair.split(","))
+        except ValueError:
+            _fail(f"--price {spec!r}: expected MODEL=IN,OUT in USD per million tokens")
+        if not model or prompt < 0 or completion < 0:
+            _fail(f"--price {spec!r}: expected MODEL=IN,OUT with a model name and prices of 0 or more")
+        prices[model] = (prompt, completion)
+    return prices
+
+
 def _new_run_id() -> str:
     return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
@@ -179,6 +193,18 @@ def train(
     workspace: Annotated[str, typer.Option(help=_help("workspace"))] = "auto",
     sandbox_slots: Annotated[int, typer.Option(help=_help("sandbox_slots"))] = 16,
     judge_concurrency: Annotated[int, typer.Option(help=_help("judge_concurrency"))] = 16,
+    judge: Annotated[str, typer.Option(help=_help("judge"))] = "simulated",
+    judge_model: Annotated[str, typer.Option(help=_help("judge_model"))] = "judge",
+    judge_base_url: Annotated[
+        str, typer.Option(envvar="DURABLE_RL_JUDGE_BASE_URL", help=_help("judge_base_url"))
+    ] = "http://127.0.0.1:8000/v1",
+    judge_api_key_env: Annotated[str, typer.Option(help=_help("judge_api_key_env"))] = "OPENAI_API_KEY",
+    judge_rpm: Annotated[int, typer.Option(help=_help("judge_rpm"))] = 600,
+    judge_timeout: Annotated[float, typer.Option(help=_help("judge_timeout"))] = 60.0,
+    judge_deadline: Annotated[float, typer.Option(help=_help("judge_deadline"))] = 600.0,
+    price: Annotated[
+        list[str] | None, typer.Option(help="MODEL=IN,OUT: USD per million prompt and completion tokens.")
+    ] = None,
     crash_driver_at_step: Annotated[int, typer.Option(help=_help("crash_driver_at_step"))] = -1,
     driver_retries: Annotated[int, typer.Option(help=_help("driver_retries"))] = 2,
     as_json: _JSON = False,
@@ -200,6 +226,14 @@ def train(
         workspace=workspace,
         tasks=_task_folder(tasks),
         agent=agent,
+        judge=judge,
+        judge_model=judge_model,
+        judge_base_url=judge_base_url,
+        judge_api_key_env=judge_api_key_env,
+        judge_rpm=judge_rpm,
+        judge_timeout=judge_timeout,
+        judge_deadline=judge_deadline,
+        prices=_prices(price or []),
         sandbox_slots=sandbox_slots,
         judge_concurrency=judge_concurrency,
         crash_driver_at_step=crash_driver_at_step,
@@ -246,6 +280,28 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to finish.")], as
     if row.status != "succeeded":
         store.set_status(run_id, "running")
     _supervise_and_report(store, run_id, config, as_json)
+
+
+@app.command()
+def ledger(
+    run_id: Annotated[str, typer.Argument(help="The run whose judge calls to account for.")], as_json: _JSON = False
+) -> None:
+    """The judge's ledger: calls made, tokens, cost, and what replay and reuse saved."""
+    store = _run_or_fail(_existing_store(), run_id)
+    book = store.ledger(run_id)
+    if as_json:
+        print(json.dumps(book))
+        return
+    saved = book["saved"]
+    print(
+        f"judge calls {book['judge_calls']} ({book['requests']} HTTP requests: {book['answered']} answered, "
+        f"{book['failed_requests']} failed and retried, {book['lost_answers']} answers lost to a crash)"
+    )
+    print(f"tokens {book['prompt_tokens']} in / {book['completion_tokens']} out · cost ${book['cost_usd']:.6f}")
+    print(
+        f"saved by replay and reuse: {saved['calls']} calls, {saved['prompt_tokens']} in / "
+        f"{saved['completion_tokens']} out tokens, ${saved['cost_usd']:.6f}"
+    )
 
 
 @app.command("runs")

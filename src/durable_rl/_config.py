@@ -42,6 +42,20 @@ class RunConfig(_Frozen):
     )
     sandbox_slots: int = Field(16, ge=1, description="Trials that may run at once.")
     judge_concurrency: int = Field(16, ge=1, description="Judge calls that may run at once.")
+    judge: str = Field("simulated", description="Judge: simulated (the spec's) or llm (an OpenAI-compatible endpoint).")
+    judge_model: str = Field("judge", description="Model the LLM judge asks (part of every judgment's identity).")
+    judge_base_url: str = Field(
+        "http://127.0.0.1:8000/v1", description="Base URL of the LLM judge's OpenAI-compatible API."
+    )
+    judge_api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the judge's API key.")
+    judge_rpm: int = Field(600, ge=1, description="Judge requests per minute, per driver process.")
+    judge_timeout: float = Field(60.0, gt=0, description="Seconds one judge request may take.")
+    judge_deadline: float = Field(
+        600.0, gt=0, description="Seconds a judgment keeps retrying through an outage before it fails."
+    )
+    prices: dict[str, tuple[float, float]] = Field(
+        default_factory=dict, description="Per model: USD per million prompt and completion tokens."
+    )
     crash_driver_at_step: int = Field(
         -1, description="Kill the driver process hard right after this step, on its first attempt."
     )
@@ -58,6 +72,18 @@ class RunConfig(_Frozen):
         if name not in RUBRICS:
             raise ValueError(f"unknown rubric {name!r}; known: {', '.join(RUBRICS)}")
         return name
+
+    @field_validator("judge")
+    @classmethod
+    def _known_judge(cls, name: str) -> str:
+        if name not in ("simulated", "llm"):
+            raise ValueError(f"unknown judge {name!r}; known: simulated, llm")
+        return name
+
+    @property
+    def judge_model_name(self) -> str:
+        """The model that judges this run: part of every judgment's identity."""
+        return self.judge_model if self.judge == "llm" else "simulated-judge"
 
     @field_validator("agent")
     @classmethod

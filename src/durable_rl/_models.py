@@ -73,6 +73,13 @@ class JudgeAnswer(_Frozen):
 
     score: float = Field(description="The judge's score of the trajectory against the rubric.")
     model: str = Field(description="The judge model that answered.")
+    scores: dict[str, float] = Field(default_factory=dict, description="Per-criterion scores of an LLM judge.")
+    raw: str = Field("", description="The last response body, as the endpoint sent it.")
+    requests: int = Field(0, description="HTTP requests it took (retries and re-asks included).")
+    prompt_tokens: int = Field(0, description="Prompt tokens billed, over all its requests.")
+    completion_tokens: int = Field(0, description="Completion tokens billed, over all its requests.")
+    latency_s: float = Field(0.0, description="Seconds from the first request to the answer.")
+    cost_usd: float = Field(0.0, description="What its tokens cost at the configured price.")
 
 
 class Reward(_Frozen):

@@ -38,6 +38,11 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _ledger_rows(book: dict[str, Any]) -> list[list[Any]]:
+    rows = [[k.replace("_", " "), v] for k, v in book.items() if k != "saved"]
+    return rows + [[f"saved: {k.replace('_', ' ')}", v] for k, v in book["saved"].items()]
+
+
 def write_report(
     path: Path, summary: dict[str, Any], run: Any, attempts: list[dict[str, Any]], steps: list[dict[str, Any]]
 ) -> None:
@@ -71,6 +76,8 @@ driver attempts {len(attempts)}</p>
 {_plot_svg(steps) if steps else "<p>no step completed</p>"}
 <h2>counters</h2>
 {_table(["counter", "value"], [[k, v] for k, v in summary["counters"].items()])}
+<h2>judge ledger</h2>
+{_table(["", "value"], _ledger_rows(summary["ledger"]))}
 </body></html>
 """
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,8 @@ from .. import _secret_hunt as hunt_env
 from .. import _units as units
 from .._config import RunConfig
 from .._identity import canonical, canonical_json, identity
+from .._llm import ChatResult, Endpoint
+from .._llm_judge import LLMJudge
 from .._loop import AnyTrajectory, StepRecord, TrialOutcome, UnitFailed, drive, run_trial
 from .._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World
 from .._sandbox._workspace import sweep, trials_dir_for
@@ -94,6 +96,7 @@ class _Kind:
     identity_inputs: Callable[[dict[str, Any]], dict[str, Any]]
     call: Callable[[dict[str, Any], int, RunConfig, str, str], Awaitable[BaseModel]]
     timeout: Callable[[RunConfig, dict[str, Any]], float | None]
+    on_reuse: Callable[[str, str, dict[str, Any], RunConfig], Awaitable[None]] | None = None
 
 
 def _world_identity(world: dict[str, Any]) -> dict[str, Any]:
@@ -123,15 +126,76 @@ class _RecordedJudge:
 
     async def judge(self, traj: Trajectory, rubric: Rubric) -> JudgeAnswer:
         store = _p().store
-        ident = identity("judge", JUDGE_MEMO_VERSION, {"traj": traj, "rubric": rubric, "model": self.model})
+        ident = _judge_memo_identity(traj, rubric, self.model)
         recorded = await _db(store.cache_get, ident)
         if recorded is not None:
-            return JudgeAnswer.model_validate_json(recorded)
+            answer = JudgeAnswer.model_validate_json(recorded)
+            await _db(store.event, self.run_id, "judge_reused", self.key, detail=_saved(answer))
+            return answer
         # counted before the call: a call whose answer a crash loses was still billed
         await _db(store.event, self.run_id, "judge_call", self.key)
         answer = await self.inner.judge(traj, rubric)
         await _db(store.cache_put, ident, "judge", answer.model_dump_json(), self.run_id)
         return answer
+
+
+def _judge_memo_identity(traj: Trajectory | dict[str, Any], rubric: Rubric | dict[str, Any], model: str) -> str:
+    return identity("judge", JUDGE_MEMO_VERSION, {"traj": traj, "rubric": rubric, "model": model})
+
+
+def _saved(answer: JudgeAnswer) -> str:
+    return json.dumps(
+        {
+            "prompt_tokens": answer.prompt_tokens,
+            "completion_tokens": answer.completion_tokens,
+            "cost_usd": answer.cost_usd,
+        }
+    )
+
+
+class _LedgerObserver:
+    """Writes each judge request to the ledger: its intent before, its outcome after."""
+
+    def __init__(self, run_id: str, key: str, model: str, price: tuple[float, float]) -> None:
+        self.run_id, self.key, self.model, self.price = run_id, key, model, price
+        self.rows: dict[int, int] = {}
+
+    async def before_request(self, n: int) -> None:
+        self.rows[n] = await _db(_p().store.ledger_sent, self.run_id, self.key, self.model, n)
+
+    async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None:
+        prompt = result.usage.prompt_tokens if result else 0
+        completion = result.usage.completion_tokens if result else 0
+        cost = (prompt * self.price[0] + completion * self.price[1]) / 1e6
+        latency = result.latency_s if result else 0.0
+        await _db(_p().store.ledger_done, self.rows.pop(n), outcome, prompt, completion, cost, latency)
+
+
+def _judge_for(config: RunConfig, run_id: str, key: str) -> units.Judge:
+    if config.judge == "simulated":
+        return hunt_env.SimulatedJudge(config.judge_latency)
+    price = config.prices.get(config.judge_model, (0.0, 0.0))
+    endpoint = Endpoint(
+        model=config.judge_model,
+        base_url=config.judge_base_url,
+        api_key_env=config.judge_api_key_env,
+        request_timeout_s=config.judge_timeout,
+        deadline_s=config.judge_deadline,
+        concurrency=config.judge_concurrency,
+        requests_per_minute=config.judge_rpm,
+    )
+    return LLMJudge(endpoint, price_per_mtok=price, observer=_LedgerObserver(run_id, key, config.judge_model, price))
+
+
+async def _judge_task_reused(run_id: str, key: str, args: dict[str, Any], config: RunConfig) -> None:
+    """A reused judge task saved its judge call: say how much, from the recorded answer."""
+    recorded = await _db(
+        _p().store.cache_get, _judge_memo_identity(args["traj"], args["rubric"], config.judge_model_name)
+    )
+    if recorded is not None:
+        await _db(
+            _p().store.event, run_id, "judge_reused", key, detail=_saved(JudgeAnswer.model_validate_json(recorded))
+        )
 
 
 async def _call_build_world(args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str) -> World:
@@ -155,7 +219,7 @@ async def _call_generate(args: dict[str, Any], attempt: int, config: RunConfig, 
 async def _call_verify_and_judge(
     args: dict[str, Any], attempt: int, config: RunConfig, run_id: str, key: str
 ) -> Reward:
-    judge = _RecordedJudge(hunt_env.SimulatedJudge(config.judge_latency), run_id, key)
+    judge = _RecordedJudge(_judge_for(config, run_id, key), run_id, key)
     return await units.verify_and_judge(
         Trajectory.model_validate(args["traj"]),
         Rubric.model_validate(args["rubric"]),
@@ -216,9 +280,10 @@ _SECRET_HUNT: dict[str, _Kind] = {
     "verify_and_judge": _Kind(
         units.verify_and_judge,
         Reward,
-        lambda a: {"traj": a["traj"], "rubric": a["rubric"], "judge_model": hunt_env.SIMULATED_JUDGE_MODEL},
+        lambda a: {"traj": a["traj"], "rubric": a["rubric"], "judge_model": a["judge_model"]},
         _call_verify_and_judge,
         _declared_timeout(units.verify_and_judge),
+        on_reuse=_judge_task_reused,
     ),
     "train_step": _TRAIN,
 }
@@ -270,6 +335,8 @@ async def _attempt(run_id: str, unit: str, key: str, ident: str, args_json: str,
         recorded = await _db(store.cache_get, ident)
         if recorded is not None and _still_valid(unit, recorded):
             await _db(store.event, run_id, f"{unit}_reused", key)
+            if kind.on_reuse is not None:
+                await kind.on_reuse(run_id, key, args, config)
             return {"ok": True, "output": recorded}
     await _db(store.event, run_id, f"{unit}_attempt", key, attempt=attempt)
     t0 = time.monotonic()
@@ -409,7 +476,11 @@ class DbosOps:
         return _kinds(self.config)["generate"].output.model_validate_json(text)  # type: ignore[return-value]
 
     async def verify_and_judge(self, traj: AnyTrajectory, rubric: Rubric) -> Reward:
-        args: dict[str, Any] = {"traj": traj} if self.tasks else {"traj": traj, "rubric": rubric}
+        args: dict[str, Any] = (
+            {"traj": traj}
+            if self.tasks
+            else {"traj": traj, "rubric": rubric, "judge_model": self.config.judge_model_name}
+        )
         text = await self._unit("judge", f"{traj.trial_id}/judge", "verify_and_judge", traj.trial_id, canonical(args))
         return Reward.model_validate_json(text)
 

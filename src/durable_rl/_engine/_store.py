@@ -84,6 +84,21 @@ events = sa.Table(
     sa.Column("detail", sa.Text),
     sa.Column("at", sa.Float, nullable=False),
 )
+ledger = sa.Table(
+    "drl_ledger",
+    _meta,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("run_id", sa.String(200), nullable=False, index=True),
+    sa.Column("key", sa.String(300), nullable=False),
+    sa.Column("model", sa.String(200), nullable=False),
+    sa.Column("request", sa.Integer, nullable=False),
+    sa.Column("outcome", sa.String(100), nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False, default=0),
+    sa.Column("completion_tokens", sa.Integer, nullable=False, default=0),
+    sa.Column("cost_usd", sa.Float, nullable=False, default=0.0),
+    sa.Column("latency_s", sa.Float),
+    sa.Column("at", sa.Float, nullable=False),
+)
 cache = sa.Table(
     "drl_cache",
     _meta,
@@ -347,6 +362,7 @@ class Store:
                 for s in self.steps(run_id)
             ],
             "counters": self.counters(run_id),
+            "ledger": self.ledger(run_id),
         }
 
     def display_status(self, row: RunRow) -> str:
@@ -360,6 +376,63 @@ class Store:
         if last["host"] == socket.gethostname() and not pid_alive(last["pid"]):
             return "interrupted"
         return "running"
+
+    # the judge's ledger
+    def ledger_sent(self, run_id: str, key: str, model: str, request: int) -> int:
+        """Write the intent of a request before it goes out; a crash leaves it `sent`: billed, answer lost."""
+        with self._tx() as c:
+            row = c.execute(
+                ledger.insert().values(
+                    run_id=run_id,
+                    key=key,
+                    model=model,
+                    request=request,
+                    outcome="sent",
+                    prompt_tokens=0,
+                    completion_tokens=0,
+                    cost_usd=0.0,
+                    at=time.time(),
+                )
+            )
+            assert row.inserted_primary_key is not None
+            return int(row.inserted_primary_key[0])
+
+    def ledger_done(self, row_id: int, outcome: str, prompt: int, completion: int, cost: float, latency: float) -> None:
+        with self._tx() as c:
+            c.execute(
+                ledger.update()
+                .where(ledger.c.id == row_id)
+                .values(
+                    outcome=outcome,
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
+                    cost_usd=cost,
+                    latency_s=latency,
+                )
+            )
+
+    def ledger(self, run_id: str) -> dict[str, Any]:
+        """What judging cost the run, and what replay and reuse saved it."""
+        with self._tx() as c:
+            rows = [dict(r._mapping) for r in c.execute(ledger.select().where(ledger.c.run_id == run_id)).all()]
+        saved = [json.loads(e["detail"] or "{}") for e in self.events(run_id, "judge_reused")]
+        answered = [r for r in rows if r["outcome"] == "answered"]
+        return {
+            "judge_calls": len(self.events(run_id, "judge_call")),
+            "requests": len(rows),
+            "answered": len(answered),
+            "lost_answers": sum(r["outcome"] == "sent" for r in rows),
+            "failed_requests": sum(r["outcome"] not in ("answered", "sent") for r in rows),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in answered),
+            "completion_tokens": sum(r["completion_tokens"] for r in answered),
+            "cost_usd": round(sum(r["cost_usd"] for r in answered), 6),
+            "saved": {
+                "calls": len(saved),
+                "prompt_tokens": sum(s.get("prompt_tokens", 0) for s in saved),
+                "completion_tokens": sum(s.get("completion_tokens", 0) for s in saved),
+                "cost_usd": round(sum(s.get("cost_usd", 0.0) for s in saved), 6),
+            },
+        }
 
     # the unit cache
     def cache_get(self, identity: str) -> str | None:

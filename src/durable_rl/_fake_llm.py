@@ -1,0 +1,130 @@
+"""A real HTTP server on loopback that speaks chat completions, for tests and local dry runs.
+
+It answers from a script of actions, then from a responder function: scripted replies and tool
+calls, latency, 429 with Retry-After, 500, hangs, malformed bodies and dropped connections. It
+counts every request it receives, so a test can prove a call was made once.
+
+    with ScriptedLLMServer(responder=lambda body: '{"scores": {...}}') as server:
+        server.script.append({"status": 429, "retry_after": 1})
+        ... Endpoint(base_url=server.base_url, model="m") ...
+        assert server.count() == 2
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+Responder = Callable[[dict[str, Any]], "str | dict[str, Any]"]
+
+
+class ScriptedLLMServer:
+    """A chat-completions server in a background thread; `script` actions are used first."""
+
+    def __init__(self, responder: Responder | None = None, *, log_path: str | None = None) -> None:
+        self.responder = responder or (lambda body: "ok")
+        self.script: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any]] = []
+        self.log_path = log_path
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}/v1"
+
+    def count(self) -> int:
+        """Requests received so far."""
+        with self._lock:
+            return len(self.requests)
+
+    def __enter__(self) -> ScriptedLLMServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def _next_action(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self.requests.append(body)
+            if self.log_path:
+                with open(self.log_path, "a") as f:
+                    f.write(json.dumps(body) + "\n")
+            return self.script.pop(0) if self.script else {}
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+            def _send(self, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                action = server._next_action(body)
+                time.sleep(action.get("delay", 0.0))
+                if action.get("hang"):
+                    time.sleep(action["hang"])
+                    return
+                if action.get("drop"):
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                if "status" in action:
+                    headers = {"Retry-After": str(action["retry_after"])} if "retry_after" in action else None
+                    self._send(action["status"], b'{"error": {"message": "scripted failure"}}', headers)
+                    return
+                if action.get("malformed"):
+                    self._send(200, b'{"id": "x", "choices": [{"message": ')
+                    return
+                reply = action.get("reply", None)
+                if reply is None:
+                    reply = server.responder(body)
+                self._send(200, json.dumps(_completion(body, reply)).encode())
+
+        return Handler
+
+
+def _completion(body: dict[str, Any], reply: str | dict[str, Any]) -> dict[str, Any]:
+    message: dict[str, Any] = (
+        {"role": "assistant", "content": reply} if isinstance(reply, str) else {"role": "assistant", **reply}
+    )
+    text = json.dumps(body.get("messages", []))
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "stop"}
+    if body.get("logprobs"):
+        content = message.get("content") or ""
+        choice["logprobs"] = {
+            "content": [{"token": t, "logprob": -0.1, "bytes": list(t.encode())} for t in content.split()[:16]]
+        }
+    return {
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model", "scripted"),
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": max(1, len(text) // 4),
+            "completion_tokens": max(1, len(json.dumps(message)) // 4),
+            "total_tokens": 0,
+        },
+    }

@@ -1,0 +1,194 @@
+"""Calls to an OpenAI-compatible chat-completions endpoint (vLLM, SGLang, a hosted provider),
+with the faults of real endpoints handled: 429 (honouring Retry-After), 5xx, timeouts, dropped
+connections and malformed bodies are retried with exponential backoff and jitter until a
+deadline, so an outage slows the caller rather than failing it. A concurrency cap and a
+requests-per-minute limit keep the caller inside its quota.
+
+Every request is announced to an observer before it is sent and reported after, so a ledger
+can count a call whose answer was lost as billed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections import deque
+from typing import Any, Protocol
+
+import openai
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LLMUnavailable(RuntimeError):
+    """The endpoint gave no usable answer before the deadline."""
+
+
+class Endpoint(BaseModel):
+    """Where and how to call a model; the key itself is read from an environment variable."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="Model name sent with every request.")
+    base_url: str = Field(description="Base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable that holds the API key.")
+    request_timeout_s: float = Field(60.0, gt=0, description="Seconds one request may take.")
+    deadline_s: float = Field(600.0, gt=0, description="Seconds of retrying before a call gives up.")
+    concurrency: int = Field(8, ge=1, description="Requests in flight at once, per process.")
+    requests_per_minute: int = Field(600, ge=1, description="Requests started per rolling minute, per process.")
+    backoff_s: float = Field(0.5, gt=0, description="First retry delay; doubles each retry, with jitter.")
+    max_backoff_s: float = Field(30.0, gt=0, description="Longest delay between two retries.")
+
+
+class Usage(BaseModel):
+    """Tokens a request was billed for."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ChatResult(BaseModel):
+    """One answered request."""
+
+    model_config = ConfigDict(frozen=True)
+
+    message: dict[str, Any] = Field(description="The assistant message (content, tool_calls).")
+    raw: str = Field(description="The response body as the server sent it.")
+    usage: Usage
+    latency_s: float
+    logprobs: list[dict[str, Any]] | None = Field(None, description="Per-token logprobs, when the server gives them.")
+
+
+class Observer(Protocol):
+    """Told of every HTTP request: before it goes out, and how it ended."""
+
+    async def before_request(self, n: int) -> None: ...
+
+    async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None: ...
+
+
+class _Quiet:
+    async def before_request(self, n: int) -> None:
+        return None
+
+    async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None:
+        return None
+
+
+class _Limiter:
+    """A concurrency cap and a rolling per-minute budget of request starts."""
+
+    def __init__(self, concurrency: int, per_minute: int) -> None:
+        self.slots = asyncio.Semaphore(concurrency)
+        self.per_minute = per_minute
+        self.starts: deque[float] = deque()
+        self.lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        async with self.lock:
+            while True:
+                now = time.monotonic()
+                while self.starts and now - self.starts[0] >= 60.0:
+                    self.starts.popleft()
+                if len(self.starts) < self.per_minute:
+                    self.starts.append(now)
+                    return
+                await asyncio.sleep(60.0 - (now - self.starts[0]))
+
+
+_limiters: dict[tuple[str, str, int, int], _Limiter] = {}
+
+
+def _limiter(endpoint: Endpoint) -> _Limiter:
+    key = (endpoint.base_url, endpoint.model, endpoint.concurrency, endpoint.requests_per_minute)
+    if key not in _limiters:
+        _limiters[key] = _Limiter(endpoint.concurrency, endpoint.requests_per_minute)
+    return _limiters[key]
+
+
+def _retry_after(error: openai.APIStatusError) -> float | None:
+    value = error.response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+async def chat(
+    endpoint: Endpoint,
+    messages: list[dict[str, Any]],
+    *,
+    observer: Observer | None = None,
+    **params: Any,
+) -> ChatResult:
+    """One chat completion, retried through faults until `endpoint.deadline_s`."""
+    observer = observer or _Quiet()
+    client = openai.AsyncOpenAI(
+        base_url=endpoint.base_url,
+        api_key=os.environ.get(endpoint.api_key_env) or "none",
+        max_retries=0,  # retries are ours: each is announced to the observer
+        timeout=endpoint.request_timeout_s,
+    )
+    limiter = _limiter(endpoint)
+    deadline = time.monotonic() + endpoint.deadline_s
+    delay = endpoint.backoff_s
+    n = 0
+    last = "no request made"
+    try:
+        while True:
+            wait: float | None = None
+            await limiter.start()
+            async with limiter.slots:
+                n += 1
+                await observer.before_request(n)
+                t0 = time.monotonic()
+                try:
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model=endpoint.model,
+                        messages=messages,  # type: ignore[arg-type]
+                        **params,
+                    )
+                    completion = raw.parse()
+                    body = raw.http_response.text
+                    choice = completion.choices[0]
+                except openai.RateLimitError as e:
+                    last, wait = "429 rate limited", _retry_after(e)
+                except openai.APIStatusError as e:
+                    last = f"HTTP {e.status_code}"
+                    if e.status_code < 500 and e.status_code != 408:
+                        await observer.after_request(n, last, None)
+                        raise LLMUnavailable(f"{endpoint.model}: {last}: {e.message}") from None
+                except openai.APITimeoutError:
+                    last = "timed out"
+                except openai.APIConnectionError:
+                    last = "connection dropped"
+                except (ValueError, IndexError, AttributeError, TypeError) as e:  # a body that is not a completion
+                    last = f"malformed response: {type(e).__name__}"
+                else:
+                    result = ChatResult(
+                        message=choice.message.model_dump(exclude_none=True),
+                        raw=body,
+                        usage=Usage(
+                            prompt_tokens=completion.usage.prompt_tokens if completion.usage else 0,
+                            completion_tokens=completion.usage.completion_tokens if completion.usage else 0,
+                        ),
+                        latency_s=round(time.monotonic() - t0, 4),
+                        logprobs=[t.model_dump() for t in choice.logprobs.content]
+                        if choice.logprobs and choice.logprobs.content
+                        else None,
+                    )
+                    await observer.after_request(n, "answered", result)
+                    return result
+                await observer.after_request(n, last, None)
+            pause = wait if wait is not None else delay * random.uniform(0.5, 1.5)
+            delay = min(endpoint.max_backoff_s, delay * 2)
+            if time.monotonic() + pause > deadline:
+                raise LLMUnavailable(
+                    f"{endpoint.model}: no answer after {n} requests in {endpoint.deadline_s:g} s (last: {last})"
+                )
+            await asyncio.sleep(pause)
+    finally:
+        await client.close()
