@@ -29,6 +29,8 @@ class ScriptedLLMServer:
         self.responder = responder or (lambda body: "ok")
         self.script: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
         self.log_path = log_path
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -82,6 +84,16 @@ class ScriptedLLMServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 action = server._next_action(body)
+                with server._lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    self._answer(body, action)
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
+
+            def _answer(self, body: dict[str, Any], action: dict[str, Any]) -> None:
                 time.sleep(action.get("delay", 0.0))
                 if action.get("hang"):
                     time.sleep(action["hang"])

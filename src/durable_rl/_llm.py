@@ -81,29 +81,37 @@ class _Quiet:
 class _Limiter:
     """A concurrency cap and a rolling per-minute budget of request starts."""
 
-    def __init__(self, concurrency: int, per_minute: int) -> None:
+    def __init__(self, concurrency: int, per_window: int, window_s: float = 60.0) -> None:
         self.slots = asyncio.Semaphore(concurrency)
-        self.per_minute = per_minute
+        self.per_window, self.window_s = per_window, window_s
         self.starts: deque[float] = deque()
         self.lock = asyncio.Lock()
 
     async def start(self) -> None:
+        """Wait until one more request may start inside the rolling window."""
         async with self.lock:
             while True:
                 now = time.monotonic()
-                while self.starts and now - self.starts[0] >= 60.0:
+                while self.starts and now - self.starts[0] >= self.window_s:
                     self.starts.popleft()
-                if len(self.starts) < self.per_minute:
+                if len(self.starts) < self.per_window:
                     self.starts.append(now)
                     return
-                await asyncio.sleep(60.0 - (now - self.starts[0]))
+                await asyncio.sleep(self.window_s - (now - self.starts[0]))
 
 
-_limiters: dict[tuple[str, str, int, int], _Limiter] = {}
+# One per endpoint and event loop: asyncio primitives belong to the loop that made them.
+_limiters: dict[tuple[int, str, str, int, int], _Limiter] = {}
 
 
 def _limiter(endpoint: Endpoint) -> _Limiter:
-    key = (endpoint.base_url, endpoint.model, endpoint.concurrency, endpoint.requests_per_minute)
+    key = (
+        id(asyncio.get_running_loop()),
+        endpoint.base_url,
+        endpoint.model,
+        endpoint.concurrency,
+        endpoint.requests_per_minute,
+    )
     if key not in _limiters:
         _limiters[key] = _Limiter(endpoint.concurrency, endpoint.requests_per_minute)
     return _limiters[key]

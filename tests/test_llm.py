@@ -1,0 +1,199 @@
+"""The LLM judge against a real chat-completions server on loopback: faults, quotas, strict
+parsing, and the judge billed once per (trajectory, rubric, model) across retries, a SIGKILLed
+driver and a re-run, counted at the server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import FAST, Cli, figures
+
+from durable_rl import RUBRICS, Trajectory
+from durable_rl._engine._store import Store
+from durable_rl._fake_llm import ScriptedLLMServer
+from durable_rl._llm import Endpoint, LLMUnavailable, _Limiter, chat
+from durable_rl._llm_judge import JudgeAnswerInvalid, LLMJudge
+
+GOOD = json.dumps({"scores": {"correctness": 1.0, "efficiency": 0.5, "tidiness": 0.0}})
+TRAJ = Trajectory(
+    trial_id="s0-p0-n0",
+    world_id="w0",
+    weights_version=0,
+    turns=[{"doc": 2, "found": True}],
+    answer="abc",
+    files_written=["answer.txt"],
+)
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedLLMServer]:
+    with ScriptedLLMServer(lambda body: GOOD) as s:
+        yield s
+
+
+def _endpoint(server: ScriptedLLMServer, **kw: Any) -> Endpoint:
+    return Endpoint(model="grader", base_url=server.base_url, **{"backoff_s": 0.05, "request_timeout_s": 1.0, **kw})
+
+
+def test_every_fault_is_retried_until_an_answer(server: ScriptedLLMServer) -> None:
+    server.script += [
+        {"status": 429, "retry_after": 0.5},
+        {"status": 500},
+        {"status": 503},
+        {"drop": True},
+        {"malformed": True},
+        {"hang": 3},
+    ]
+    t0 = time.monotonic()
+    result = asyncio.run(chat(_endpoint(server), HI))
+    assert result.message["content"] == GOOD
+    assert server.count() == 7
+    assert time.monotonic() - t0 >= 0.5 + 1.0  # Retry-After honoured, the hung request timed out
+
+
+def test_an_outage_slows_a_call_and_fails_it_only_past_the_deadline(server: ScriptedLLMServer) -> None:
+    server.script += [{"status": 500}] * 4
+    t0 = time.monotonic()
+    asyncio.run(chat(_endpoint(server, deadline_s=30, backoff_s=0.1), HI))
+    assert server.count() == 5 and time.monotonic() - t0 >= 0.1 * (0.5 + 1 + 2 + 4)  # backoff grew
+    server.script += [{"status": 500}] * 100
+    with pytest.raises(LLMUnavailable, match="HTTP 500"):
+        asyncio.run(chat(_endpoint(server, deadline_s=1.0), HI))
+
+
+def test_a_client_error_is_not_retried(server: ScriptedLLMServer) -> None:
+    server.script.append({"status": 401})
+    with pytest.raises(LLMUnavailable, match="HTTP 401"):
+        asyncio.run(chat(_endpoint(server), HI))
+    assert server.count() == 1
+
+
+def test_concurrency_cap_and_rate_limit(server: ScriptedLLMServer) -> None:
+    server.script += [{"delay": 0.3, "reply": "x"}] * 6
+
+    async def six() -> None:
+        await asyncio.gather(*(chat(_endpoint(server, concurrency=2), HI) for _ in range(6)))
+
+    asyncio.run(six())
+    assert server.max_in_flight == 2
+
+    async def limited() -> list[float]:
+        limiter, t0, stamps = _Limiter(concurrency=10, per_window=2, window_s=0.5), time.monotonic(), []
+        for _ in range(5):
+            await limiter.start()
+            stamps.append(time.monotonic() - t0)
+        return stamps
+
+    stamps = asyncio.run(limited())
+    assert stamps[2] >= 0.5 and stamps[4] >= 1.0  # two starts per half second
+
+
+def test_logprobs_are_kept_when_the_server_gives_them(server: ScriptedLLMServer) -> None:
+    server.script.append({"reply": "one two"})
+    result = asyncio.run(chat(_endpoint(server), HI, logprobs=True))
+    assert [t["token"] for t in result.logprobs or []] == ["one", "two"]
+
+
+def test_the_judge_combines_criteria_by_weight_and_records_usage(server: ScriptedLLMServer) -> None:
+    answer = asyncio.run(LLMJudge(_endpoint(server), price_per_mtok=(2.0, 10.0)).judge(TRAJ, RUBRICS["v2-efficiency"]))
+    assert answer.scores == {"correctness": 1.0, "efficiency": 0.5, "tidiness": 0.0}
+    assert answer.score == 1.5 and answer.model == "grader" and answer.requests == 1
+    assert answer.raw and answer.prompt_tokens > 0
+    assert answer.cost_usd == pytest.approx((answer.prompt_tokens * 2.0 + answer.completion_tokens * 10.0) / 1e6)
+    prompt = server.requests[0]["messages"][0]["content"]
+    assert "correctness" in prompt and '"answer": "abc"' in prompt
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "the answer is 1",
+        '{"score": 1}',
+        '{"scores": {"correctness": 1, "efficiency": 1}}',
+        '{"scores": {"correctness": 1.5, "efficiency": 1, "tidiness": 1}}',
+        '{"scores": {"correctness": true, "efficiency": 1, "tidiness": 1}}',
+        '{"scores": {"correctness": 1, "efficiency": 1, "tidiness": 1, "vibes": 1}}',
+    ],
+)
+def test_a_malformed_answer_is_asked_again_then_refused(server: ScriptedLLMServer, bad: str) -> None:
+    server.script += [{"reply": bad}, {"reply": GOOD}]
+    answer = asyncio.run(LLMJudge(_endpoint(server)).judge(TRAJ, RUBRICS["v1"]))
+    assert answer.requests == 2 and server.requests[1]["messages"][-1]["content"].startswith("That answer was invalid")
+    server.script += [{"reply": bad}] * 3
+    with pytest.raises(JudgeAnswerInvalid, match="without valid scores"):
+        asyncio.run(LLMJudge(_endpoint(server), max_reasks=2).judge(TRAJ, RUBRICS["v1"]))
+    assert server.count() == 2 + 3
+
+
+def _llm_args(server: ScriptedLLMServer) -> list[str]:
+    return [
+        "--judge",
+        "llm",
+        "--judge-model",
+        "grader",
+        "--judge-base-url",
+        server.base_url,
+        "--price",
+        "grader=3,15",
+        *FAST,
+    ]
+
+
+def test_the_judge_is_billed_once_across_retries_a_killed_driver_and_a_rerun(
+    cli: Cli, server: ScriptedLLMServer
+) -> None:
+    out = cli.json(
+        "train",
+        "--run-id",
+        "paid",
+        *_llm_args(server),
+        "--crash-driver-at-step",
+        "1",
+        "--flaky-trial-rate",
+        "0.25",
+        "--judge-flake-rate",
+        "0.3",
+    )
+    assert out["counters"]["judge_task_attempts"] == 24 and out["counters"]["driver_attempts"] == 2
+    assert server.count() == 18  # one request per trial, counted where it is billed
+    book = out["ledger"]
+    assert (book["judge_calls"], book["requests"], book["answered"], book["lost_answers"]) == (18, 18, 18, 0)
+    assert book["saved"]["calls"] == 6  # the retried judge tasks found their answers
+    assert book["cost_usd"] == pytest.approx((book["prompt_tokens"] * 3 + book["completion_tokens"] * 15) / 1e6)
+    again = cli.json("train", "--run-id", "again", *_llm_args(server))
+    assert server.count() == 18 and again["ledger"]["requests"] == 0
+    assert again["ledger"]["saved"]["calls"] == 18
+    assert again["ledger"]["saved"]["cost_usd"] == pytest.approx(
+        book["cost_usd"] + book["saved"]["cost_usd"] * 0, abs=1e-9
+    )
+    assert figures(again) == figures(out)
+    text = cli.run("ledger", "again").stdout
+    assert "judge calls 0" in text and "saved by replay and reuse: 18 calls" in text
+
+
+def test_an_answer_lost_to_a_kill_is_on_the_ledger_as_billed(cli: Cli, server: ScriptedLLMServer) -> None:
+    server.script += [{"delay": 2.0}] * 6  # step 0's judge requests are slow: the kill lands mid-request
+    proc = cli.popen("train", "--run-id", "lost", *_llm_args(server), "--n-steps", "1")
+    deadline = time.monotonic() + 60
+    while server.in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    in_flight_at_kill = Store(cli.db).ledger("lost")["lost_answers"]
+    assert in_flight_at_kill >= 1
+    out = cli.json("resume", "lost")
+    book = out["ledger"]
+    assert out["status"] == "succeeded" and out["steps"][0]["n_trials"] == 6
+    assert book["lost_answers"] == in_flight_at_kill
+    # the lost ones were asked again, and both calls count (a kill between the call's count and its
+    # request's intent can add one more call than lost rows)
+    assert 6 + in_flight_at_kill <= book["judge_calls"] <= 12
+    assert server.count() == book["requests"]
