@@ -193,6 +193,14 @@ def train(
     workspace: Annotated[str, typer.Option(help=_help("workspace"))] = "auto",
     sandbox_slots: Annotated[int, typer.Option(help=_help("sandbox_slots"))] = 16,
     judge_concurrency: Annotated[int, typer.Option(help=_help("judge_concurrency"))] = 16,
+    policy: Annotated[str, typer.Option(help=_help("policy"))] = "bandit",
+    policy_model: Annotated[str, typer.Option(help=_help("policy_model"))] = "policy",
+    policy_adapter: Annotated[str | None, typer.Option(help=_help("policy_adapter"))] = None,
+    policy_base_url: Annotated[
+        str, typer.Option(envvar="DURABLE_RL_POLICY_BASE_URL", help=_help("policy_base_url"))
+    ] = "http://127.0.0.1:8000/v1",
+    policy_api_key_env: Annotated[str, typer.Option(help=_help("policy_api_key_env"))] = "OPENAI_API_KEY",
+    policy_max_turns: Annotated[int, typer.Option(help=_help("policy_max_turns"))] = 12,
     judge: Annotated[str, typer.Option(help=_help("judge"))] = "simulated",
     judge_model: Annotated[str, typer.Option(help=_help("judge_model"))] = "judge",
     judge_base_url: Annotated[
@@ -226,6 +234,12 @@ def train(
         workspace=workspace,
         tasks=_task_folder(tasks),
         agent=agent,
+        policy=policy,
+        policy_model=policy_model,
+        policy_adapter=policy_adapter,
+        policy_base_url=policy_base_url,
+        policy_api_key_env=policy_api_key_env,
+        policy_max_turns=policy_max_turns,
         judge=judge,
         judge_model=judge_model,
         judge_base_url=judge_base_url,

@@ -42,6 +42,14 @@ class RunConfig(_Frozen):
     )
     sandbox_slots: int = Field(16, ge=1, description="Trials that may run at once.")
     judge_concurrency: int = Field(16, ge=1, description="Judge calls that may run at once.")
+    policy: str = Field("bandit", description="Policy: bandit (the spec's) or llm (a tool-calling model).")
+    policy_model: str = Field("policy", description="Base model of the LLM policy.")
+    policy_adapter: str | None = Field(None, description="LoRA adapter of the LLM policy; versioned per step.")
+    policy_base_url: str = Field(
+        "http://127.0.0.1:8000/v1", description="Base URL of the LLM policy's OpenAI-compatible API."
+    )
+    policy_api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the policy's API key.")
+    policy_max_turns: int = Field(12, ge=1, description="Model responses an LLM policy may take per trial.")
     judge: str = Field("simulated", description="Judge: simulated (the spec's) or llm (an OpenAI-compatible endpoint).")
     judge_model: str = Field("judge", description="Model the LLM judge asks (part of every judgment's identity).")
     judge_base_url: str = Field(
@@ -62,7 +70,9 @@ class RunConfig(_Frozen):
     tasks: str | None = Field(
         None, description="Folder of Harbor tasks to train on instead of secret-hunt (absolute path)."
     )
-    agent: str = Field("oracle", description="Agent for Harbor tasks: oracle (runs the solution) or nop.")
+    agent: str = Field(
+        "oracle", description="Agent for Harbor tasks: oracle (runs the solution), nop, or llm (the LLM policy)."
+    )
     driver_retries: int = Field(2, ge=0, description="Times the supervisor restarts a dead driver.")
     source_run: str | None = Field(None, description="The run this one re-scores, if any.")
 
@@ -72,6 +82,18 @@ class RunConfig(_Frozen):
         if name not in RUBRICS:
             raise ValueError(f"unknown rubric {name!r}; known: {', '.join(RUBRICS)}")
         return name
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in ("bandit", "llm"):
+            raise ValueError(f"unknown policy {name!r}; known: bandit, llm")
+        return name
+
+    @property
+    def uses_llm_policy(self) -> bool:
+        """Whether trials are played by the LLM policy (on secret-hunt worlds or as a Harbor agent)."""
+        return self.policy == "llm" or (self.tasks is not None and self.agent == "llm")
 
     @field_validator("judge")
     @classmethod
@@ -88,8 +110,8 @@ class RunConfig(_Frozen):
     @field_validator("agent")
     @classmethod
     def _known_agent(cls, name: str) -> str:
-        if name not in ("oracle", "nop"):
-            raise ValueError(f"unknown agent {name!r}; known: oracle, nop")
+        if name not in ("oracle", "nop", "llm"):
+            raise ValueError(f"unknown agent {name!r}; known: oracle, nop, llm")
         return name
 
     @field_validator("workspace")

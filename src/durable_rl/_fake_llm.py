@@ -25,7 +25,10 @@ Responder = Callable[[dict[str, Any]], "str | dict[str, Any]"]
 class ScriptedLLMServer:
     """A chat-completions server in a background thread; `script` actions are used first."""
 
-    def __init__(self, responder: Responder | None = None, *, log_path: str | None = None) -> None:
+    def __init__(
+        self, responder: Responder | None = None, *, log_path: str | None = None, token_ids: bool = False
+    ) -> None:
+        self.token_ids = token_ids
         self.responder = responder or (lambda body: "ok")
         self.script: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
@@ -112,22 +115,21 @@ class ScriptedLLMServer:
                 reply = action.get("reply", None)
                 if reply is None:
                     reply = server.responder(body)
-                self._send(200, json.dumps(_completion(body, reply)).encode())
+                self._send(200, json.dumps(_completion(body, reply, server.token_ids)).encode())
 
         return Handler
 
 
-def _completion(body: dict[str, Any], reply: str | dict[str, Any]) -> dict[str, Any]:
+def _completion(body: dict[str, Any], reply: str | dict[str, Any], token_ids: bool = False) -> dict[str, Any]:
     message: dict[str, Any] = (
         {"role": "assistant", "content": reply} if isinstance(reply, str) else {"role": "assistant", **reply}
     )
     text = json.dumps(body.get("messages", []))
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "stop"}
     if body.get("logprobs"):
-        content = message.get("content") or ""
-        choice["logprobs"] = {
-            "content": [{"token": t, "logprob": -0.1, "bytes": list(t.encode())} for t in content.split()[:16]]
-        }
+        words = (message.get("content") or json.dumps(message.get("tool_calls", ""))).split()[:16]
+        tokens = [f"token_id:{1000 + i}" if token_ids else w for i, w in enumerate(words)]
+        choice["logprobs"] = {"content": [{"token": t, "logprob": -0.1, "bytes": list(t.encode())} for t in tokens]}
     return {
         "id": "chatcmpl-scripted",
         "object": "chat.completion",

@@ -27,13 +27,16 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from ._models import Reward, TrialSpec, Weights, World, _Frozen
+from ._llm import Endpoint
+from ._llm_policy import agent_loop
+from ._models import AgentTurn, Reward, TrialSpec, Weights, World, _Frozen
 from ._sandbox._process import CommandResult, Limits, sandbox_uid
+from ._sandbox._tools import SandboxTools
 from ._sandbox._workspace import content_hash, publish_snapshot, working_copy
 from ._unit import unit
 
 Agent = Literal["oracle", "nop"]
-AGENTS: tuple[str, ...] = ("oracle", "nop")
+AGENTS: tuple[str, ...] = ("oracle", "nop", "llm")
 
 
 class TaskError(ValueError):
@@ -114,6 +117,7 @@ class TaskTrajectory(_Frozen):
     agent_result: PhaseResult | None = Field(description="None for the nop agent.")
     verifier_result: PhaseResult
     rewards: dict[str, float] = Field(description="The verifier's rewards; reward.txt gives {'reward': x}.")
+    agent_turns: list[AgentTurn] = Field(default_factory=list, description="The LLM agent's turns, tokens included.")
     timings: dict[str, float] = Field(description="Seconds of setup, agent and verifier.")
 
     def summary(self) -> dict[str, object]:
@@ -212,7 +216,7 @@ def _limits(task: HarborTask, wall_s: float) -> Limits:
     )
 
 
-@unit(name="harbor_trial", version="1", tier="sandbox", retries=1, timeout_s=None)
+@unit(name="harbor_trial", version="2", tier="sandbox", retries=1, timeout_s=None)
 async def run_task_trial(
     spec: TrialSpec,
     weights: Weights,
@@ -222,6 +226,8 @@ async def run_task_trial(
     *,
     trials_dir: Path,
     method: str = "auto",
+    llm: Endpoint | None = None,
+    llm_max_turns: int = 12,
 ) -> TaskTrajectory:
     """Setup, agent, verifier in one private working copy; raises VerificationFailed without a reward."""
     from ._sandbox._process import run_command
@@ -241,7 +247,27 @@ async def run_task_trial(
         setup_s = time.perf_counter() - t0
 
         agent_result: PhaseResult | None = None
-        if agent == "oracle":
+        agent_turns: list[AgentTurn] = []
+        if agent == "llm":
+            if llm is None or weights.policy is None:
+                raise TaskError("the llm agent needs an LLM policy and its endpoint")
+            wall = task.config.agent.timeout_sec or 600.0
+            tools = SandboxTools(ws.path, limits=_limits(task, wall), uid=uid)
+            t_agent, ended_by = time.perf_counter(), "exit"
+            try:
+                agent_turns = await asyncio.wait_for(
+                    agent_loop(llm, weights.policy, task.instruction, tools, max_turns=llm_max_turns), wall
+                )
+            except TimeoutError:
+                ended_by = "deadline"  # still verified, as Harbor does
+            agent_result = PhaseResult(
+                exit_code=0 if ended_by == "exit" else None,
+                signal=None,
+                ended_by=ended_by,
+                seconds=round(time.perf_counter() - t_agent, 3),
+                stderr_tail="",
+            )
+        elif agent == "oracle":
             if task.solution_sha256 is None:
                 raise TaskError(f"task {task.name} has no solution/solve.sh for the oracle agent")
             wall = task.config.agent.timeout_sec or 600.0
@@ -275,6 +301,7 @@ async def run_task_trial(
         agent_result=agent_result,
         verifier_result=verifier_result,
         rewards=rewards,
+        agent_turns=agent_turns,
         timings={
             "setup": round(setup_s, 3),
             "agent": agent_result.seconds if agent_result else 0.0,

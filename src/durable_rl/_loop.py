@@ -14,7 +14,7 @@ from pydantic import Field
 from . import _harbor as harbor
 from . import _secret_hunt as hunt_env
 from ._config import RunConfig
-from ._models import Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
+from ._models import PolicyRef, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
 
 AnyTrajectory = Trajectory | harbor.TaskTrajectory
 
@@ -86,14 +86,19 @@ async def run_trial(ops: Ops, spec: TrialSpec, weights: Weights, world: World, r
 
 def plan(config: RunConfig) -> tuple[list[str], Callable[[int], list[TrialSpec]], Weights]:
     """The run's worlds, its trials per step and its first weights: secret-hunt, or Harbor tasks."""
+    policy = PolicyRef(model=config.policy_model, adapter=config.policy_adapter) if config.uses_llm_policy else None
     if config.tasks is not None:
-        tasks = harbor.tasks_at(config.tasks)
-        return [t.name for t in tasks], lambda step: harbor.trial_specs(step, list(tasks), config.n_samples), Weights()
+        tasks = list(harbor.tasks_at(config.tasks))
+        return (
+            [t.name for t in tasks],
+            lambda step: harbor.trial_specs(step, tasks, config.n_samples),
+            Weights(policy=policy),
+        )
     world_ids = config.world_ids
     return (
         world_ids,
         lambda step: hunt_env.trial_specs(step, world_ids, config.prompts_per_step, config.n_samples),
-        hunt_env.initial_weights(world_ids),  # deterministic, so step-0 rollouts are reusable
+        hunt_env.initial_weights(world_ids, policy),  # deterministic, so step-0 rollouts are reusable
     )
 
 

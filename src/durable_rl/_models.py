@@ -2,11 +2,46 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PolicyRef(_Frozen):
+    """The policy's weights, by reference."""
+
+    model: str = Field(description="Base model served by the endpoint.")
+    adapter: str | None = Field(None, description="LoRA adapter name, if the policy is an adapter.")
+    version: int = Field(0, description="Adapter version: each training step makes a new one.")
+
+    @property
+    def served_name(self) -> str:
+        """The model name a request asks for."""
+        return f"{self.adapter}-v{self.version}" if self.adapter else self.model
+
+
+class ToolCall(_Frozen):
+    """One tool call of a turn and what it returned."""
+
+    name: str
+    arguments: dict[str, Any]
+    result: str
+    error: bool = False
+
+
+class AgentTurn(_Frozen):
+    """One model response: its text, its tool calls, and its tokens when the server gave them."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    logprobs: list[float] | None = None
+    token_ids: list[int] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class Weights(_Frozen):
@@ -17,6 +52,7 @@ class Weights(_Frozen):
         default_factory=dict,
         description="Per world id: the bandit's prior over which document holds the secret.",
     )
+    policy: PolicyRef | None = Field(None, description="An LLM policy's weights, by reference; None for the bandit.")
 
 
 class TrialSpec(_Frozen):
@@ -53,6 +89,7 @@ class Trajectory(_Frozen):
     turns: list[Turn] = Field(description="The agent's turns, in order.")
     answer: str | None = Field(description="The digest the agent reported, None if it found none.")
     files_written: list[str] = Field(description="Files the agent left in its working copy.")
+    agent_turns: list[AgentTurn] = Field(default_factory=list, description="An LLM policy's turns, tokens included.")
 
     def summary(self) -> dict[str, object]:
         """What a per-trial table shows of it."""

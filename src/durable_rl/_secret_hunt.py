@@ -9,7 +9,7 @@ import asyncio
 import hashlib
 import random
 
-from ._models import JudgeAnswer, Reward, Rubric, Trajectory, TrialSpec, Turn, Weights
+from ._models import JudgeAnswer, PolicyRef, Reward, Rubric, Trajectory, TrialSpec, Turn, Weights
 from ._sandbox._tools import SandboxTools
 
 N_DOCS = 8
@@ -63,9 +63,9 @@ def trial_specs(step: int, world_ids: list[str], prompts_per_step: int, n_sample
     ]
 
 
-def initial_weights(world_ids: list[str]) -> Weights:
-    """Version 0: a uniform prior over documents in every world."""
-    return Weights(version=0, doc_prior={w: [1.0] * N_DOCS for w in world_ids})
+def initial_weights(world_ids: list[str], policy: PolicyRef | None = None) -> Weights:
+    """Version 0: a uniform prior over documents in every world (and an LLM policy's first version)."""
+    return Weights(version=0, doc_prior={w: [1.0] * N_DOCS for w in world_ids}, policy=policy)
 
 
 async def hunt(
@@ -120,6 +120,11 @@ async def hunt(
     )
 
 
+def sandbox_flakes(trial_id: str, attempt: int, flaky_trial_rate: float) -> bool:
+    """The spec's injected sandbox failure: the trial stream's first draw, on the first attempt."""
+    return attempt == 0 and random.Random(seed("trial", trial_id)).random() < flaky_trial_rate
+
+
 def verify(traj: Trajectory) -> bool:
     """The deterministic verifier: did the agent report its world's digest?"""
     return traj.answer == world_digest(traj.world_id)
@@ -172,4 +177,5 @@ def bandit_update(weights: Weights, rewards: list[Reward], lr: float) -> Weights
     for r in sorted(rewards, key=lambda r: r.trial_id):  # float sums in one canonical order
         if r.found_doc is not None and r.reward > 0:
             prior.setdefault(r.world_id, [1.0] * N_DOCS)[r.found_doc] += lr * r.reward
-    return Weights(version=weights.version + 1, doc_prior=prior)
+    policy = weights.policy.model_copy(update={"version": weights.version + 1}) if weights.policy else None
+    return Weights(version=weights.version + 1, doc_prior=prior, policy=policy)

@@ -13,6 +13,8 @@ from typing import Protocol
 from pydantic import Field
 
 from . import _secret_hunt as hunt_env
+from ._llm import Endpoint
+from ._llm_policy import secret_hunt_with_llm
 from ._models import JudgeAnswer, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
 from ._sandbox._process import Limits, sandbox_uid
 from ._sandbox._tools import SandboxTools
@@ -55,7 +57,7 @@ async def build_world(world_id: str, *, snapshots_dir: Path) -> World:
     return World(world_id=world_id, root=str(root), content_sha256=content)
 
 
-@unit(name="generate", version="2", tier="sandbox", retries=1, timeout_s=300.0)
+@unit(name="generate", version="3", tier="sandbox", retries=1, timeout_s=300.0)
 async def generate(
     spec: TrialSpec,
     weights: Weights,
@@ -66,15 +68,27 @@ async def generate(
     flaky_trial_rate: float = 0.0,
     turn_latency: float = 0.2,
     hang: bool = False,
+    llm: Endpoint | None = None,
+    llm_max_turns: int = 12,
 ) -> Trajectory:
-    """One trial on a private copy of the world; the same inputs give the same trajectory."""
+    """One trial on a private copy of the world, by the bandit or, when the weights name one,
+    an LLM policy at `llm`; the bandit's same inputs give the same trajectory."""
     sandbox = sandbox or SandboxSettings()
     uid = sandbox_uid()
     async with working_copy(Path(world.root), sandbox.trials_dir, method=sandbox.method, owner_uid=uid) as ws:
+        tools = SandboxTools(ws.path, limits=sandbox.limits, uid=uid)
+        if weights.policy is not None:
+            if llm is None:
+                raise ValueError("the weights name an LLM policy but no endpoint was given")
+            if hunt_env.sandbox_flakes(spec.trial_id, attempt, flaky_trial_rate):
+                raise hunt_env.InjectedFailure(f"injected sandbox failure for {spec.trial_id} (attempt 0)")
+            return await secret_hunt_with_llm(
+                spec, weights.version, weights.policy, tools, llm, max_turns=llm_max_turns
+            )
         return await hunt_env.hunt(
             spec,
             weights,
-            SandboxTools(ws.path, limits=sandbox.limits, uid=uid),
+            tools,
             attempt=attempt,
             flaky_trial_rate=flaky_trial_rate,
             turn_latency=turn_latency,

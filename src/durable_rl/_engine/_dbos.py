@@ -171,6 +171,12 @@ class _LedgerObserver:
         await _db(_p().store.ledger_done, self.rows.pop(n), outcome, prompt, completion, cost, latency)
 
 
+def _policy_endpoint(config: RunConfig) -> Endpoint | None:
+    if not config.uses_llm_policy:
+        return None
+    return Endpoint(model=config.policy_model, base_url=config.policy_base_url, api_key_env=config.policy_api_key_env)
+
+
 def _judge_for(config: RunConfig, run_id: str, key: str) -> units.Judge:
     if config.judge == "simulated":
         return hunt_env.SimulatedJudge(config.judge_latency)
@@ -213,6 +219,8 @@ async def _call_generate(args: dict[str, Any], attempt: int, config: RunConfig, 
         flaky_trial_rate=config.flaky_trial_rate,
         turn_latency=config.turn_latency,
         hang=spec.trial_id in config.hang_trials,
+        llm=_policy_endpoint(config),
+        llm_max_turns=config.policy_max_turns,
     )
 
 
@@ -254,6 +262,8 @@ async def _call_task_trial(
         args["agent"],
         trials_dir=trials_dir_for(_state_dir()),
         method=config.workspace,
+        llm=_policy_endpoint(config),
+        llm_max_turns=config.policy_max_turns,
     )
 
 

@@ -1,0 +1,142 @@
+"""The LLM policy: a tool-calling agent against a real loopback server, on secret-hunt worlds
+and on Harbor tasks, with its weights carried by reference."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Cli
+
+from durable_rl._engine._store import Store
+from durable_rl._fake_llm import ScriptedLLMServer
+
+TASKS = Path(__file__).resolve().parents[1] / "examples" / "harbor-tasks"
+
+
+def _call(name: str, **args: Any) -> dict[str, Any]:
+    return {
+        "tool_calls": [
+            {"id": f"c-{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        ]
+    }
+
+
+def secret_hunter(body: dict[str, Any]) -> dict[str, Any] | str:
+    """A scripted policy: probe an escape, then read docs in order until the digest shows up."""
+    tool_results = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+    if not tool_results:
+        return _call("read_file", path="../../../etc/passwd")  # refused by the tools, not fatal
+    for text in tool_results:
+        if "secret_sha256:" in text:
+            if any(m["role"] == "tool" and m["content"] == "written" for m in body["messages"]):
+                return "done"
+            return _call("write_file", path="answer.txt", content=text.split("secret_sha256:")[1].strip())
+    return _call("read_file", path=f"docs/doc_{len(tool_results) - 1}.txt")
+
+
+def harbor_solver(body: dict[str, Any]) -> dict[str, Any] | str:
+    tool_results = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+    if not tool_results:
+        return _call("run", command="grep -rhoE 'ACCESS-CODE: [0-9a-f]+' logs | cut -d' ' -f2 > answer.txt")
+    return "done"
+
+
+@pytest.fixture
+def hunter() -> Iterator[ScriptedLLMServer]:
+    with ScriptedLLMServer(secret_hunter, token_ids=True) as s:
+        yield s
+
+
+def test_llm_policy_on_secret_hunt_worlds(cli: Cli, hunter: ScriptedLLMServer) -> None:
+    out = cli.json(
+        "train",
+        "--run-id",
+        "llm",
+        "--policy",
+        "llm",
+        "--policy-model",
+        "base",
+        "--policy-adapter",
+        "lora",
+        "--policy-base-url",
+        hunter.base_url,
+        "--n-steps",
+        "2",
+        "--judge-latency",
+        "0.01",
+    )
+    assert out["status"] == "succeeded" and [s["n_trials"] for s in out["steps"]] == [6, 6]
+    assert all(s["mean_reward"] > 1.0 for s in out["steps"])  # every trial found and verified the digest
+    models = [r["model"] for r in hunter.requests]
+    assert set(models) == {"lora-v0", "lora-v1"}  # each step asks for the adapter version it was given
+    assert any("refused" in m["content"] for r in hunter.requests for m in r["messages"] if m["role"] == "tool")
+    trajectories = [json.loads(o) for o in _cached(cli, "generate")]
+    assert len(trajectories) == 12
+    first = trajectories[0]
+    assert first["answer"] and first["files_written"] == ["answer.txt"]
+    turn = first["agent_turns"][0]
+    assert turn["token_ids"] and turn["token_ids"][0] == 1000 and len(turn["logprobs"]) == len(turn["token_ids"])
+
+
+def test_a_new_adapter_version_is_a_new_input(cli: Cli, hunter: ScriptedLLMServer) -> None:
+    args = [
+        "--policy",
+        "llm",
+        "--policy-adapter",
+        "lora",
+        "--policy-base-url",
+        hunter.base_url,
+        "--n-steps",
+        "1",
+        "--judge-latency",
+        "0.01",
+    ]
+    cli.json("train", "--run-id", "a", *args)
+    requests = hunter.count()
+    again = cli.json("train", "--run-id", "b", *args)
+    assert hunter.count() == requests and again["counters"]["generate_reused"] == 6  # same adapter version: reused
+    other = cli.json("train", "--run-id", "c", *[a if a != "lora" else "lora2" for a in args])
+    assert hunter.count() > requests and other["counters"]["generate_executed"] == 6  # a new adapter: new rollouts
+
+
+def test_llm_agent_on_a_harbor_task(cli: Cli, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "text-search").symlink_to(TASKS / "text-search", target_is_directory=True)
+    with ScriptedLLMServer(harbor_solver) as server:
+        out = cli.json(
+            "train",
+            "--run-id",
+            "h",
+            "--tasks",
+            str(tasks),
+            "--agent",
+            "llm",
+            "--policy-model",
+            "coder",
+            "--policy-base-url",
+            server.base_url,
+            "--n-steps",
+            "1",
+            "--n-samples",
+            "2",
+        )
+        assert server.count() == 4 and {r["model"] for r in server.requests} == {"coder"}
+    assert out["steps"][0]["n_trials"] == 2 and out["steps"][0]["mean_reward"] == 1.0
+    trials = cli.json("show", "h", "--trials")
+    assert all(t["info"]["agent"] == "exit" and t["rewards"] == {"reward": 1.0} for t in trials)
+
+
+def _cached(cli: Cli, unit: str) -> list[str]:
+    import sqlalchemy as sa
+
+    from durable_rl._engine._store import cache
+
+    with Store(cli.db).engine.connect() as conn:
+        return list(
+            conn.execute(sa.select(cache.c.output).where(cache.c.unit == unit).order_by(cache.c.created_at)).scalars()
+        )
