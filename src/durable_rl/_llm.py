@@ -17,7 +17,6 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-import openai
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -117,7 +116,7 @@ def _limiter(endpoint: Endpoint) -> _Limiter:
     return _limiters[key]
 
 
-def _retry_after(error: openai.APIStatusError) -> float | None:
+def _retry_after(error: Any) -> float | None:
     value = error.response.headers.get("retry-after")
     try:
         return max(0.0, float(value)) if value is not None else None
@@ -133,6 +132,8 @@ async def chat(
     **params: Any,
 ) -> ChatResult:
     """One chat completion, retried through faults until `endpoint.deadline_s`."""
+    import openai  # a heavy import, paid only by runs that call a model
+
     observer = observer or _Quiet()
     client = openai.AsyncOpenAI(
         base_url=endpoint.base_url,
