@@ -17,6 +17,8 @@ import pytest
 CLEAN_V1 = [(1.601, 4.67, 6, 1), (2.323, 2.17, 6, 2), (2.352, 1.67, 6, 3)]
 CLEAN_V2 = [(2.391, 4.67, 6, 1), (3.299, 1.83, 6, 2), (3.343, 1.67, 6, 3)]
 FAST = ["--turn-latency", "0.02", "--judge-latency", "0.05"]
+# The failure-injected run: a driver crash after step 1, flaky sandboxes, flaky judge tasks.
+FAULTS = ["--crash-driver-at-step", "1", "--flaky-trial-rate", "0.25", "--judge-flake-rate", "0.3"]
 
 
 @dataclass

@@ -8,7 +8,7 @@ import random
 import signal
 import time
 
-from conftest import CLEAN_V1, CLEAN_V2, FAST, Cli, figures
+from conftest import CLEAN_V1, CLEAN_V2, FAST, FAULTS, Cli, figures
 
 from durable_rl._engine._store import Store
 
@@ -30,12 +30,7 @@ def test_crashed_driver_with_flaky_trials_and_judges_replays_and_matches_the_cle
         "--run-id",
         "faulty",
         *FAST,
-        "--crash-driver-at-step",
-        "1",
-        "--flaky-trial-rate",
-        "0.25",
-        "--judge-flake-rate",
-        "0.3",
+        *FAULTS,
     )
     assert out["status"] == "succeeded"
     assert figures(out) == CLEAN_V1  # to the last digit

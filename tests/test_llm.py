@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import FAST, Cli, figures
+from conftest import FAST, FAULTS, Cli, figures
 
 from durable_rl import RUBRICS, Trajectory
 from durable_rl._engine._store import Store
@@ -155,12 +155,7 @@ def test_the_judge_is_billed_once_across_retries_a_killed_driver_and_a_rerun(
         "--run-id",
         "paid",
         *_llm_args(server),
-        "--crash-driver-at-step",
-        "1",
-        "--flaky-trial-rate",
-        "0.25",
-        "--judge-flake-rate",
-        "0.3",
+        *FAULTS,
     )
     assert out["counters"]["judge_task_attempts"] == 24 and out["counters"]["driver_attempts"] == 2
     assert server.count() == 18  # one request per trial, counted where it is billed

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import CLEAN_V1, FAST, Cli, figures
+from conftest import CLEAN_V1, FAST, FAULTS, Cli, figures
 
 
 def test_crash_run_and_reuse_on_postgres(pg_cli: Cli) -> None:
@@ -11,12 +11,7 @@ def test_crash_run_and_reuse_on_postgres(pg_cli: Cli) -> None:
         "--run-id",
         "pg",
         *FAST,
-        "--crash-driver-at-step",
-        "1",
-        "--flaky-trial-rate",
-        "0.25",
-        "--judge-flake-rate",
-        "0.3",
+        *FAULTS,
     )
     assert figures(out) == CLEAN_V1
     c = out["counters"]

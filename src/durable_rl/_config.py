@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from ._models import Rubric, _Frozen
@@ -37,12 +39,14 @@ class RunConfig(_Frozen):
         description="Trial ids whose tool calls never return, to exercise the trial timeout.",
     )
     trial_timeout: float = Field(300.0, gt=0.0, description="Seconds one trial attempt may run before it is cancelled.")
-    workspace: str = Field(
+    workspace: Literal["auto", "overlay", "reflink", "copy"] = Field(
         "auto", description="How a trial gets its private working copy: auto, overlay, reflink or copy."
     )
     sandbox_slots: int = Field(16, ge=1, description="Trials that may run at once.")
     judge_concurrency: int = Field(16, ge=1, description="Judge calls that may run at once.")
-    policy: str = Field("bandit", description="Policy: bandit (the spec's) or llm (a tool-calling model).")
+    policy: Literal["bandit", "llm"] = Field(
+        "bandit", description="Policy: bandit (the spec's) or llm (a tool-calling model)."
+    )
     policy_model: str = Field("policy", description="Base model of the LLM policy.")
     policy_adapter: str | None = Field(None, description="LoRA adapter of the LLM policy; versioned per step.")
     policy_base_url: str = Field(
@@ -50,7 +54,9 @@ class RunConfig(_Frozen):
     )
     policy_api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the policy's API key.")
     policy_max_turns: int = Field(12, ge=1, description="Model responses an LLM policy may take per trial.")
-    judge: str = Field("simulated", description="Judge: simulated (the spec's) or llm (an OpenAI-compatible endpoint).")
+    judge: Literal["simulated", "llm"] = Field(
+        "simulated", description="Judge: simulated (the spec's) or llm (an OpenAI-compatible endpoint)."
+    )
     judge_model: str = Field("judge", description="Model the LLM judge asks (part of every judgment's identity).")
     judge_base_url: str = Field(
         "http://127.0.0.1:8000/v1", description="Base URL of the LLM judge's OpenAI-compatible API."
@@ -70,7 +76,7 @@ class RunConfig(_Frozen):
     tasks: str | None = Field(
         None, description="Folder of Harbor tasks to train on instead of secret-hunt (absolute path)."
     )
-    agent: str = Field(
+    agent: Literal["oracle", "nop", "llm"] = Field(
         "oracle", description="Agent for Harbor tasks: oracle (runs the solution), nop, or llm (the LLM policy)."
     )
     driver_retries: int = Field(2, ge=0, description="Times the supervisor restarts a dead driver.")
@@ -83,43 +89,15 @@ class RunConfig(_Frozen):
             raise ValueError(f"unknown rubric {name!r}; known: {', '.join(RUBRICS)}")
         return name
 
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, name: str) -> str:
-        if name not in ("bandit", "llm"):
-            raise ValueError(f"unknown policy {name!r}; known: bandit, llm")
-        return name
-
     @property
     def uses_llm_policy(self) -> bool:
         """Whether trials are played by the LLM policy (on secret-hunt worlds or as a Harbor agent)."""
         return self.policy == "llm" or (self.tasks is not None and self.agent == "llm")
 
-    @field_validator("judge")
-    @classmethod
-    def _known_judge(cls, name: str) -> str:
-        if name not in ("simulated", "llm"):
-            raise ValueError(f"unknown judge {name!r}; known: simulated, llm")
-        return name
-
     @property
     def judge_model_name(self) -> str:
         """The model that judges this run: part of every judgment's identity."""
         return self.judge_model if self.judge == "llm" else "simulated-judge"
-
-    @field_validator("agent")
-    @classmethod
-    def _known_agent(cls, name: str) -> str:
-        if name not in ("oracle", "nop", "llm"):
-            raise ValueError(f"unknown agent {name!r}; known: oracle, nop, llm")
-        return name
-
-    @field_validator("workspace")
-    @classmethod
-    def _known_method(cls, name: str) -> str:
-        if name not in ("auto", "overlay", "reflink", "copy"):
-            raise ValueError(f"unknown working-copy method {name!r}; known: auto, overlay, reflink, copy")
-        return name
 
     @property
     def rubric_model(self) -> Rubric:
