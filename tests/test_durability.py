@@ -7,10 +7,12 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 from conftest import CLEAN_V1, CLEAN_V2, FAST, FAULTS, Cli, figures
 
 from durable_rl._engine._store import Store
+from durable_rl._sandbox._workspace import trials_dir_for
 
 
 def test_clean_run_has_the_spec_figures(cli: Cli) -> None:
@@ -84,6 +86,10 @@ def test_whole_tree_sigkilled_at_a_random_moment_then_resumed(cli: Cli) -> None:
     # a call cut off by the kill may be billed once more, never more than that
     assert all(n <= 2 for n in calls.values())
     assert out["counters"]["driver_attempts"] == 2
+    # the working copies the kill left behind (overlay mounts included) are gone
+    trials = trials_dir_for(cli.cwd / ".durable-rl")
+    assert not trials.exists() or list(trials.iterdir()) == []
+    assert str(trials) not in Path("/proc/mounts").read_text()
 
 
 def test_rescore_reuses_worlds_and_unchanged_rollouts(cli: Cli) -> None:
