@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	rm -f .durable-rl/demo.sqlite  # a fresh demo database, so the demo's failures really happen
 	cd $(CURDIR) && $(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite train \
 		--crash-driver-at-step 1 --flaky-trial-rate 0.25 --judge-flake-rate 0.3
 	$(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite rescore --rubric v2-efficiency
+	$(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite train \
+		--tasks examples/harbor-tasks --agent oracle --n-steps 1 --n-samples 1
 
 test: $(STAMP)
 	$(BIN)/pytest -q
