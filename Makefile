@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	rm -f .durable-rl/demo.sqlite  # a fresh demo database, so the demo's failures really happen
+	rm -f .durable-rl/demo.sqlite .durable-rl/demo.sqlite-wal .durable-rl/demo.sqlite-shm  # a fresh demo database: its failures really happen
 	cd $(CURDIR) && $(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite train \
 		--crash-driver-at-step 1 --flaky-trial-rate 0.25 --judge-flake-rate 0.3
 	$(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite rescore --rubric v2-efficiency
