@@ -101,8 +101,8 @@ def test_rescore_reuses_worlds_and_unchanged_rollouts(cli: Cli) -> None:
     assert (c["generate_reused"], c["generate_executed"]) == (6, 12)  # all of step 0 reused
     assert c["judge_calls"] == 18
     assert c["train_steps_executed"] == 3
-    text = cli.run("show", "rescored").stdout
-    assert "v2-efficiency" not in text or "rescored" in text
+    recorded = {r["run_id"]: (r["rubric"], r["source_run"]) for r in cli.json("runs")}
+    assert recorded == {"base": ("v1", None), "rescored": ("v2-efficiency", "base")}
 
 
 def test_rescore_says_what_it_reused_and_ran(cli: Cli) -> None:

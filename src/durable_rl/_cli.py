@@ -82,10 +82,10 @@ def _task_folder(tasks: Path | None) -> str | None:
     """The absolute folder of a valid Harbor task set, checked before anything is written."""
     if tasks is None:
         return None
-    from ._harbor import TaskError, load_tasks
+    from ._harbor import TaskError, tasks_at
 
     try:
-        load_tasks(tasks.resolve())
+        tasks_at(str(tasks.resolve()))  # cached: plan() finds them loaded
     except TaskError as e:
         _fail(f"--tasks: {e}")
     return str(tasks.resolve())

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from ._models import Rubric, _Frozen
+from ._secret_hunt import SIMULATED_JUDGE_MODEL
 
 RUBRICS: dict[str, Rubric] = {
     "v1": Rubric(correctness_weight=1.0, efficiency_weight=0.3, tidiness_weight=0.1, name="v1"),
@@ -97,7 +98,7 @@ class RunConfig(_Frozen):
     @property
     def judge_model_name(self) -> str:
         """The model that judges this run: part of every judgment's identity."""
-        return self.judge_model if self.judge == "llm" else "simulated-judge"
+        return self.judge_model if self.judge == "llm" else SIMULATED_JUDGE_MODEL
 
     @property
     def rubric_model(self) -> Rubric:

@@ -50,6 +50,11 @@ class VerificationFailed(RuntimeError):
 class AgentSettings(_Frozen):
     timeout_sec: float | None = None
 
+    @property
+    def wall_s(self) -> float:
+        """The agent phase's deadline: its timeout, or 600 s when the task sets none."""
+        return self.timeout_sec or 600.0
+
 
 class VerifierSettings(_Frozen):
     timeout_sec: float = 600.0
@@ -251,7 +256,7 @@ async def run_task_trial(
         if agent == "llm":
             if llm is None or weights.policy is None:
                 raise TaskError("the llm agent needs an LLM policy and its endpoint")
-            wall = task.config.agent.timeout_sec or 600.0
+            wall = task.config.agent.wall_s
             tools = SandboxTools(ws.path, limits=_limits(task, wall), uid=uid)
             t_agent, ended_by = time.perf_counter(), "exit"
             try:
@@ -270,7 +275,7 @@ async def run_task_trial(
         elif agent == "oracle":
             if task.solution_sha256 is None:
                 raise TaskError(f"task {task.name} has no solution/solve.sh for the oracle agent")
-            wall = task.config.agent.timeout_sec or 600.0
+            wall = task.config.agent.wall_s
             ran = await run_command(
                 'bash "$SOLUTION_DIR/solve.sh"',
                 cwd=ws.path,

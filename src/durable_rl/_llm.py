@@ -14,6 +14,7 @@ import asyncio
 import os
 import random
 import time
+import weakref
 from collections import deque
 from typing import Any, Protocol
 
@@ -99,21 +100,24 @@ class _Limiter:
                 await asyncio.sleep(self.window_s - (now - self.starts[0]))
 
 
-# One per endpoint and event loop: asyncio primitives belong to the loop that made them.
-_limiters: dict[tuple[int, str, str, int, int], _Limiter] = {}
+# One per endpoint and event loop: asyncio primitives belong to the loop that made them, and a
+# loop's limiters go with it (a later loop may reuse a dead one's id).
+_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str, int, int], _Limiter]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _limiter(endpoint: Endpoint) -> _Limiter:
+    per_loop = _limiters.setdefault(asyncio.get_running_loop(), {})
     key = (
-        id(asyncio.get_running_loop()),
         endpoint.base_url,
         endpoint.model,
         endpoint.concurrency,
         endpoint.requests_per_minute,
     )
-    if key not in _limiters:
-        _limiters[key] = _Limiter(endpoint.concurrency, endpoint.requests_per_minute)
-    return _limiters[key]
+    if key not in per_loop:
+        per_loop[key] = _Limiter(endpoint.concurrency, endpoint.requests_per_minute)
+    return per_loop[key]
 
 
 def _retry_after(error: Any) -> float | None:

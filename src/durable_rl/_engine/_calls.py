@@ -106,7 +106,7 @@ def _declared_timeout(fn: Callable[..., Any]) -> Callable[[RunConfig, dict[str, 
 def _harbor_trial_timeout(config: RunConfig, args: dict[str, Any]) -> float:
     # the trial's own deadlines bound its phases; this one only catches a stuck runner
     task = harbor.HarborTask.model_validate(args["task"])
-    return (task.config.agent.timeout_sec or 600.0) + task.config.verifier.timeout_sec + 60.0
+    return task.config.agent.wall_s + task.config.verifier.timeout_sec + 60.0
 
 
 class _RecordedJudge:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from ._store import Store
@@ -16,8 +17,6 @@ EXIT_RUN_FAILED = 3
 
 
 def main(argv: list[str]) -> int:
-    import os
-
     run_id, url = argv[0], os.environ["DURABLE_RL_DB"]
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     store = Store(url)
