@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from ._config import RUBRICS, RunConfig
-from ._engine._store import Store, check_url, default_url, state_dir
+from ._api import record_run
+from ._config import RunConfig
+from ._config_file import make_config, parse_value, read_config_file, set_value
+from ._engine._store import Store, default_url, state_dir
 from ._engine._supervisor import supervise
 from ._errors import UserError
-from ._loop import plan
+from ._loop import trial_specs
+from ._rubrics import load_rubric
 
 app = typer.Typer(
     add_completion=False,
@@ -27,11 +28,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Durable agentic RL: every trial, judgment and training step survives crashes.",
 )
-_F = RunConfig.model_fields
-
-
-def _help(name: str) -> str:
-    return _F[name].description or ""
 
 
 class _State:
@@ -56,15 +52,6 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def _config(**fields: Any) -> RunConfig:
-    try:
-        return RunConfig(**fields)
-    except ValidationError as e:
-        err = e.errors()[0]
-        name = str(err["loc"][0]).replace("_", "-") if err["loc"] else "config"
-        _fail(f"--{name}: {err['msg'].removeprefix('Value error, ')}")
-
-
 def _existing_store() -> Store | None:
     try:
         return Store.open_existing(_state.url)
@@ -78,20 +65,7 @@ def _run_or_fail(store: Store | None, run_id: str) -> Store:
     return store
 
 
-def _task_folder(tasks: Path | None) -> str | None:
-    """The absolute folder of a valid Harbor task set, checked before anything is written."""
-    if tasks is None:
-        return None
-    from ._harbor import TaskError, tasks_at
-
-    try:
-        tasks_at(str(tasks.resolve()))  # cached: plan() finds them loaded
-    except TaskError as e:
-        _fail(f"--tasks: {e}")
-    return str(tasks.resolve())
-
-
-def _prices(specs: list[str]) -> dict[str, tuple[float, float]]:
+def _prices(specs: list[str]) -> dict[str, list[float]]:
     prices = {}
     for spec in specs:
         model, _, pair = spec.rpartition("=")
@@ -99,39 +73,30 @@ def _prices(specs: list[str]) -> dict[str, tuple[float, float]]:
             prompt, completion = (float(x) for x in pair.split(","))
         except ValueError:
             _fail(f"--price {spec!r}: expected MODEL=IN,OUT in USD per million tokens")
-        if not model or prompt < 0 or completion < 0:
-            _fail(f"--price {spec!r}: expected MODEL=IN,OUT with a model name and prices of 0 or more")
-        prices[model] = (prompt, completion)
+        if not model or not (0 <= prompt < float("inf") and 0 <= completion < float("inf")):
+            _fail(f"--price {spec!r}: expected MODEL=IN,OUT with a model name and finite prices of 0 or more")
+        prices[model] = [prompt, completion]
     return prices
-
-
-def _new_run_id() -> str:
-    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def _launch(config: RunConfig, run_id: str | None, as_json: bool) -> None:
     """Record a new run and supervise its driver to the end."""
-    run_id = run_id or _new_run_id()
-    if not run_id.strip() or "/" in run_id:
-        _fail(f"--run-id {run_id!r}: must be non-empty and contain no '/'")
     try:
-        check_url(_state.url)
-        existing = Store.open_existing(_state.url)
-        if existing is not None and existing.run(run_id) is not None:
-            _fail(f"run {run_id!r} already exists; `durable-rl resume {run_id}` finishes it")
-        store = Store.create(_state.url)
+        run = record_run(_state.url, config, run_id)
     except UserError as e:
         _fail(str(e))
-    store.create_run(run_id, config.model_dump_json())
-    _supervise_and_report(store, run_id, config, as_json)
+    _supervise_and_report(run.store, run.run_id, config, as_json)
 
 
 def _supervise_and_report(store: Store, run_id: str, config: RunConfig, as_json: bool) -> None:
     lines = sys.stderr if as_json else sys.stdout
     if not as_json:
-        source = f"tasks {config.tasks}, agent {config.agent}" if config.tasks else f"rubric {config.rubric}"
-        n_trials = len(plan(config)[1](0))
-        print(f"run {run_id}: {config.n_steps} steps x {n_trials} trials, {source}, state {_state.url}", flush=True)
+        plugins = (
+            f"env {config.env.kind}, agent {config.agent.kind}, judge {config.judge.kind}, "
+            f"trainer {config.trainer.kind}, rubric {config.rubric.name}"
+        )
+        n_trials = len(trial_specs(config.plugins().env, 0, config.n_samples))
+        print(f"run {run_id}: {config.n_steps} steps x {n_trials} trials, {plugins}, state {_state.url}", flush=True)
     ok = supervise(run_id, _state.url, config.driver_retries, lines)
     summary = store.summary(run_id)
     report = _write_report(store, run_id)
@@ -168,104 +133,186 @@ def _print_summary(summary: dict[str, Any], config: RunConfig) -> None:
     )
 
 
+# Flags for the built-in plug-ins' most used settings: each sets one dotted key, and is refused
+# when the chosen plug-in has no such setting. Everything else is `--set KEY=VALUE`.
+SHORTCUTS: dict[str, str] = {
+    "n_worlds": "env.n_worlds",
+    "prompts_per_step": "env.prompts_per_step",
+    "lr": "trainer.lr",
+    "turn_latency": "agent.turn_latency",
+    "judge_latency": "judge.latency",
+    "policy_model": "agent.model",
+    "policy_adapter": "agent.adapter",
+    "policy_base_url": "agent.base_url",
+    "policy_api_key_env": "agent.api_key_env",
+    "policy_max_turns": "agent.max_turns",
+    "judge_model": "judge.model",
+    "judge_base_url": "judge.base_url",
+    "judge_api_key_env": "judge.api_key_env",
+    "judge_rpm": "judge.requests_per_minute",
+    "judge_timeout": "judge.request_timeout_s",
+    "judge_deadline": "judge.deadline_s",
+    "flaky_trial_rate": "faults.flaky_trial_rate",
+    "judge_flake_rate": "faults.judge_flake_rate",
+    "hang_trial": "faults.hang_trials",
+    "crash_driver_at_step": "faults.crash_driver_at_step",
+    "trial_timeout": "units.generate.timeout_s",
+}
+TOP_LEVEL = (
+    "n_steps",
+    "n_samples",
+    "workspace",
+    "sandbox_slots",
+    "judge_concurrency",
+    "driver_retries",
+    "min_success_share",
+    "group_policy",
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_FLAG_OF = {key: _flag(name) for name, key in SHORTCUTS.items()} | {name: _flag(name) for name in TOP_LEVEL}
+
+
+def _build_config(
+    config_file: Path | None, kinds: dict[str, str | None], given: dict[str, Any], sets: list[str]
+) -> RunConfig:
+    """The run's config: the file, then the kinds, top-level flags, shortcuts and `--set` on top."""
+    try:
+        data = read_config_file(config_file) if config_file is not None else {}
+        for section, kind in kinds.items():
+            if kind is not None:
+                previous = data.get(section) or {}
+                keep = previous.get("settings", {}) if previous.get("kind") in (None, "", kind) else {}
+                data[section] = {"kind": kind, "settings": keep}
+        for name, value in given.items():
+            if value is None:
+                continue
+            if name in TOP_LEVEL:
+                data[name] = value
+            else:
+                set_value(data, SHORTCUTS[name], value, flag=_flag(name))
+        for item in sets:
+            key, eq, text = item.partition("=")
+            if not eq:
+                raise UserError(f"--set {item!r}: expected KEY=VALUE")
+            set_value(data, key.strip(), parse_value(text))
+        if any(":" in (section.get("kind") or "") for section in data.values() if isinstance(section, dict)):
+            data.setdefault("python_path", [str(Path.cwd())])  # the driver imports module:attr from here too
+        return make_config(data, _FLAG_OF)
+    except UserError as e:
+        _fail(str(e))
+
+
 _JSON = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout; logs go to stderr.")]
+_F = RunConfig.model_fields
+
+
+def _help(name: str) -> str:
+    return _F[name].description or ""
 
 
 @app.command()
 def train(
+    config_file: Annotated[
+        Path | None, typer.Option("--config", help="A run config file (TOML or YAML); flags override it.")
+    ] = None,
     run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,
-    n_steps: Annotated[int, typer.Option(help=_help("n_steps"))] = 3,
-    n_worlds: Annotated[int, typer.Option(help=_help("n_worlds"))] = 3,
-    prompts_per_step: Annotated[int, typer.Option(help=_help("prompts_per_step"))] = 3,
-    n_samples: Annotated[int, typer.Option(help=_help("n_samples"))] = 2,
-    lr: Annotated[float, typer.Option(help=_help("lr"))] = 2.0,
-    rubric: Annotated[str, typer.Option(help=_help("rubric"))] = "v1",
-    flaky_trial_rate: Annotated[float, typer.Option(help=_help("flaky_trial_rate"))] = 0.0,
-    judge_flake_rate: Annotated[float, typer.Option(help=_help("judge_flake_rate"))] = 0.0,
-    turn_latency: Annotated[float, typer.Option(help=_help("turn_latency"))] = 0.2,
-    judge_latency: Annotated[float, typer.Option(help=_help("judge_latency"))] = 0.5,
-    trial_timeout: Annotated[float, typer.Option(help=_help("trial_timeout"))] = 300.0,
-    hang_trial: Annotated[list[str] | None, typer.Option(help=_help("hang_trials"))] = None,
-    tasks: Annotated[
-        Path | None, typer.Option(help="Folder of Harbor tasks to train on instead of secret-hunt.")
+    env: Annotated[
+        str | None, typer.Option(help="Environment: secret-hunt, harbor, an entry point or module:attr.")
     ] = None,
-    agent: Annotated[str, typer.Option(help=_help("agent"))] = "oracle",
-    workspace: Annotated[str, typer.Option(help=_help("workspace"))] = "auto",
-    sandbox_slots: Annotated[int, typer.Option(help=_help("sandbox_slots"))] = 16,
-    judge_concurrency: Annotated[int, typer.Option(help=_help("judge_concurrency"))] = 16,
-    policy: Annotated[str, typer.Option(help=_help("policy"))] = "bandit",
-    policy_model: Annotated[str, typer.Option(help=_help("policy_model"))] = "policy",
-    policy_adapter: Annotated[str | None, typer.Option(help=_help("policy_adapter"))] = None,
+    agent: Annotated[
+        str | None, typer.Option(help="Agent: bandit, llm, oracle, nop, an entry point or module:attr.")
+    ] = None,
+    judge: Annotated[
+        str | None, typer.Option(help="Judge: none, simulated, llm, an entry point or module:attr.")
+    ] = None,
+    trainer: Annotated[
+        str | None, typer.Option(help="Trainer: bandit, version, an entry point or module:attr.")
+    ] = None,
+    rubric: Annotated[str | None, typer.Option(help="Rubric: v1, v2-efficiency, or a TOML/YAML file.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="KEY=VALUE, e.g. env.n_worlds=4 or units.generate.retries=3.")
+    ] = None,
+    tasks: Annotated[Path | None, typer.Option(help="Folder of Harbor tasks: --env harbor with env.path.")] = None,
+    policy: Annotated[str | None, typer.Option(help="Old name of --agent: bandit or llm.")] = None,
+    n_steps: Annotated[int | None, typer.Option(help=_help("n_steps"))] = None,
+    n_samples: Annotated[int | None, typer.Option(help=_help("n_samples"))] = None,
+    n_worlds: Annotated[int | None, typer.Option(help="secret-hunt: worlds to build.")] = None,
+    prompts_per_step: Annotated[int | None, typer.Option(help="secret-hunt: prompts per step.")] = None,
+    lr: Annotated[float | None, typer.Option(help="bandit trainer: learning rate.")] = None,
+    turn_latency: Annotated[float | None, typer.Option(help="bandit agent: simulated seconds per tool call.")] = None,
+    judge_latency: Annotated[float | None, typer.Option(help="simulated judge: seconds per call.")] = None,
+    policy_model: Annotated[str | None, typer.Option(help="llm agent: base model.")] = None,
+    policy_adapter: Annotated[str | None, typer.Option(help="llm agent: LoRA adapter, versioned per step.")] = None,
     policy_base_url: Annotated[
-        str, typer.Option(envvar="DURABLE_RL_POLICY_BASE_URL", help=_help("policy_base_url"))
-    ] = "http://127.0.0.1:8000/v1",
-    policy_api_key_env: Annotated[str, typer.Option(help=_help("policy_api_key_env"))] = "OPENAI_API_KEY",
-    policy_max_turns: Annotated[int, typer.Option(help=_help("policy_max_turns"))] = 12,
-    judge: Annotated[str, typer.Option(help=_help("judge"))] = "simulated",
-    judge_model: Annotated[str, typer.Option(help=_help("judge_model"))] = "judge",
-    judge_base_url: Annotated[
-        str, typer.Option(envvar="DURABLE_RL_JUDGE_BASE_URL", help=_help("judge_base_url"))
-    ] = "http://127.0.0.1:8000/v1",
-    judge_api_key_env: Annotated[str, typer.Option(help=_help("judge_api_key_env"))] = "OPENAI_API_KEY",
-    judge_rpm: Annotated[int, typer.Option(help=_help("judge_rpm"))] = 600,
-    judge_timeout: Annotated[float, typer.Option(help=_help("judge_timeout"))] = 60.0,
-    judge_deadline: Annotated[float, typer.Option(help=_help("judge_deadline"))] = 600.0,
-    price: Annotated[
-        list[str] | None, typer.Option(help="MODEL=IN,OUT: USD per million prompt and completion tokens.")
+        str | None, typer.Option(envvar="DURABLE_RL_POLICY_BASE_URL", help="llm agent: base URL.")
     ] = None,
-    crash_driver_at_step: Annotated[int, typer.Option(help=_help("crash_driver_at_step"))] = -1,
-    driver_retries: Annotated[int, typer.Option(help=_help("driver_retries"))] = 2,
+    policy_api_key_env: Annotated[str | None, typer.Option(help="llm agent: variable holding the API key.")] = None,
+    policy_max_turns: Annotated[int | None, typer.Option(help="llm agent: model responses per trial.")] = None,
+    judge_model: Annotated[
+        str | None, typer.Option(help="llm judge: model (part of every judgment's identity).")
+    ] = None,
+    judge_base_url: Annotated[
+        str | None, typer.Option(envvar="DURABLE_RL_JUDGE_BASE_URL", help="llm judge: base URL.")
+    ] = None,
+    judge_api_key_env: Annotated[str | None, typer.Option(help="llm judge: variable holding the API key.")] = None,
+    judge_rpm: Annotated[int | None, typer.Option(help="llm judge: requests per minute, per process.")] = None,
+    judge_timeout: Annotated[float | None, typer.Option(help="llm judge: seconds per request.")] = None,
+    judge_deadline: Annotated[float | None, typer.Option(help="llm judge: seconds of retrying an outage.")] = None,
+    price: Annotated[
+        list[str] | None, typer.Option(help="llm judge: MODEL=IN,OUT, USD per million prompt and completion tokens.")
+    ] = None,
+    flaky_trial_rate: Annotated[
+        float | None, typer.Option(help="fault: share of trials whose first attempt fails.")
+    ] = None,
+    judge_flake_rate: Annotated[float | None, typer.Option(help="fault: share of judge tasks failing once.")] = None,
+    hang_trial: Annotated[list[str] | None, typer.Option(help="fault: a trial id whose attempts hang.")] = None,
+    crash_driver_at_step: Annotated[int | None, typer.Option(help="fault: kill the driver after this step.")] = None,
+    trial_timeout: Annotated[float | None, typer.Option(help="Seconds one trial attempt may run.")] = None,
+    workspace: Annotated[str | None, typer.Option(help=_help("workspace"))] = None,
+    sandbox_slots: Annotated[int | None, typer.Option(help=_help("sandbox_slots"))] = None,
+    judge_concurrency: Annotated[int | None, typer.Option(help=_help("judge_concurrency"))] = None,
+    min_success_share: Annotated[float | None, typer.Option(help=_help("min_success_share"))] = None,
+    group_policy: Annotated[str | None, typer.Option(help=_help("group_policy") + " (keep or drop)")] = None,
+    driver_retries: Annotated[int | None, typer.Option(help=_help("driver_retries"))] = None,
     as_json: _JSON = False,
 ) -> None:
     """Train: build the worlds, then run each step's trials, judge them and update the policy."""
-    config = _config(
-        n_steps=n_steps,
-        n_worlds=n_worlds,
-        prompts_per_step=prompts_per_step,
-        n_samples=n_samples,
-        lr=lr,
-        rubric=rubric,
-        flaky_trial_rate=flaky_trial_rate,
-        judge_flake_rate=judge_flake_rate,
-        turn_latency=turn_latency,
-        judge_latency=judge_latency,
-        trial_timeout=trial_timeout,
-        hang_trials=hang_trial or [],
-        workspace=workspace,
-        tasks=_task_folder(tasks),
-        agent=agent,
-        policy=policy,
-        policy_model=policy_model,
-        policy_adapter=policy_adapter,
-        policy_base_url=policy_base_url,
-        policy_api_key_env=policy_api_key_env,
-        policy_max_turns=policy_max_turns,
-        judge=judge,
-        judge_model=judge_model,
-        judge_base_url=judge_base_url,
-        judge_api_key_env=judge_api_key_env,
-        judge_rpm=judge_rpm,
-        judge_timeout=judge_timeout,
-        judge_deadline=judge_deadline,
-        prices=_prices(price or []),
-        sandbox_slots=sandbox_slots,
-        judge_concurrency=judge_concurrency,
-        crash_driver_at_step=crash_driver_at_step,
-        driver_retries=driver_retries,
-    )
-    _launch(config, run_id, as_json)
+    if policy is not None and agent is not None:
+        _fail("--policy is the old name of --agent: give one of them")
+    if tasks is not None:
+        if env not in (None, "harbor"):
+            _fail(f"--tasks: is for --env harbor, not {env!r}")
+        env = "harbor"
+    kinds = {"env": env, "agent": agent or policy, "judge": judge, "trainer": trainer}
+    given: dict[str, Any] = {k: v for k, v in locals().items() if k in SHORTCUTS or k in TOP_LEVEL}
+    sets = list(set_ or [])
+    if tasks is not None:
+        sets.insert(0, f"env.path={json.dumps(str(tasks.resolve()))}")
+    if price:
+        sets.append(f"judge.prices={json.dumps(_prices(price))}")
+    if rubric is not None:
+        path = Path(rubric)
+        sets.append(f"rubric={json.dumps(str(path.resolve()) if path.is_file() else rubric)}")
+    _launch(_build_config(config_file, kinds, given, sets), run_id, as_json)
 
 
 @app.command()
 def rescore(
-    rubric: Annotated[str, typer.Option(help=f"The new rubric: {', '.join(RUBRICS)}.")],
+    rubric: Annotated[str, typer.Option(help="The new rubric: v1, v2-efficiency, or a TOML/YAML file.")],
     from_run: Annotated[str | None, typer.Option("--from", help="Run to re-score (default: the latest).")] = None,
     run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,
     as_json: _JSON = False,
 ) -> None:
     """Re-score a run with a new rubric: reuse every world and rollout whose inputs are unchanged."""
-    if rubric not in RUBRICS:
-        _fail(f"--rubric: unknown rubric {rubric!r}; known: {', '.join(RUBRICS)}")
+    try:
+        new_rubric = load_rubric(str(Path(rubric).resolve()) if Path(rubric).is_file() else rubric)
+    except UserError as e:
+        _fail(str(e))
     store = _existing_store()
     if from_run is None:
         runs = store.runs() if store is not None else []
@@ -274,9 +321,14 @@ def rescore(
         from_run = runs[-1].run_id
     source = _run_or_fail(store, from_run).run(from_run)
     assert source is not None
-    config = _config(**{**source.config, "rubric": rubric, "crash_driver_at_step": -1, "source_run": from_run})
+    # the source's plug-ins and settings, a new rubric, and none of its injected faults
+    data = {**source.config, "rubric": new_rubric.model_dump(), "faults": {}, "source_run": from_run}
+    try:
+        config = make_config(data)
+    except UserError as e:
+        _fail(str(e))
     if not as_json:
-        print(f"re-scoring {from_run} with rubric {rubric}", flush=True)
+        print(f"re-scoring {from_run} with rubric {new_rubric.name}", flush=True)
     _launch(config, run_id, as_json)
 
 
@@ -286,7 +338,10 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to finish.")], as
     store = _run_or_fail(_existing_store(), run_id)
     row = store.run(run_id)
     assert row is not None
-    config = RunConfig.model_validate(row.config)
+    try:
+        config = RunConfig.model_validate(row.config)  # the recorded plug-ins, rebuilt
+    except UserError as e:
+        _fail(f"run {run_id!r} cannot be rebuilt: {e}")
     if store.display_status(row) == "running":
         _fail(f"run {run_id!r} is still running (driver pid {store.attempts(run_id)[-1]['pid']})")
     if row.status == "succeeded" and not as_json:
@@ -332,14 +387,15 @@ def list_runs(as_json: _JSON = False) -> None:
                 "n_steps": r.config["n_steps"],
                 "driver_attempts": len(store.attempts(r.run_id)),  # type: ignore[union-attr]
                 "started": _iso(r.started_at or r.created_at),
-                "rubric": r.config["rubric"],
+                "rubric": r.config["rubric"]["name"],
+                "env": r.config["env"]["kind"],
                 "source_run": r.config.get("source_run"),
             }
         )
     if as_json:
         print(json.dumps(rows))
         return
-    table = Table("run", "status", "steps", "driver attempts", "started", "rubric", "from")
+    table = Table("run", "status", "steps", "driver attempts", "started", "env", "rubric", "from")
     for row in rows:
         table.add_row(
             row["run_id"],
@@ -347,6 +403,7 @@ def list_runs(as_json: _JSON = False) -> None:
             f"{row['steps_done']}/{row['n_steps']}",
             str(row["driver_attempts"]),
             row["started"],
+            row["env"],
             row["rubric"],
             row["source_run"] or "",
         )

@@ -1,111 +1,150 @@
-"""A training run's settings: one frozen model, validated before anything is written."""
+"""A run's settings: loop settings, the four plug-ins with their own settings, and faults apart.
+
+The plug-ins form a union discriminated by `kind`: a built-in name, `module:attr` or an entry
+point, resolved through the registry, with settings validated by that plug-in's `Settings` model
+and stored whole, so the record alone rebuilds the same plug-ins on resume or rescore.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
+from ._errors import UserError
+from ._faults import Faults
 from ._models import Rubric, _Frozen
-from ._secret_hunt import SIMULATED_JUDGE_MODEL
+from ._protocols import Agent, Environment, Judge, Trainer
+from ._registry import NO_JUDGE, Category, add_paths, build, resolve
+from ._rubrics import load_rubric
 
-RUBRICS: dict[str, Rubric] = {
-    "v1": Rubric(correctness_weight=1.0, efficiency_weight=0.3, tidiness_weight=0.1, name="v1"),
-    "v2-efficiency": Rubric(correctness_weight=1.0, efficiency_weight=1.0, tidiness_weight=0.5, name="v2-efficiency"),
-}
+UnitName = Literal["build_world", "generate", "verify_and_judge", "train_step"]
+
+
+class PluginChoice(_Frozen):
+    """One plug-in of a run: which one, and its settings."""
+
+    kind: str = Field(description="A built-in name, an installed entry point, or module:attr.")
+    settings: dict[str, Any] = Field(default_factory=dict, description="The plug-in's settings (its Settings model).")
+
+
+class UnitOverride(_Frozen):
+    """A run's override of what `@unit` declares for one unit."""
+
+    retries: int | None = Field(None, ge=0, le=100, description="Retries after a failed attempt.")
+    timeout_s: float | None = Field(None, gt=0, le=7 * 86400, allow_inf_nan=False, description="Seconds per attempt.")
 
 
 class RunConfig(_Frozen):
     """Everything a run needs; the record a resumed or re-scoring run reads back."""
 
-    n_steps: int = Field(3, ge=1, description="Training steps to run.")
-    n_worlds: int = Field(3, ge=1, description="Worlds to build; prompt p uses world p mod n_worlds.")
-    prompts_per_step: int = Field(3, ge=1, description="Prompts per step.")
-    n_samples: int = Field(2, ge=1, description="Trials (samples) per prompt.")
-    lr: float = Field(2.0, description="Learning rate of the bandit update.")
-    rubric: str = Field("v1", description="Judge rubric: v1 or v2-efficiency.")
-    flaky_trial_rate: float = Field(
-        0.0, ge=0.0, le=1.0, description="Share of trials whose first sandbox attempt is made to fail."
+    n_steps: int = Field(3, ge=1, le=1_000_000, description="Training steps to run.")
+    n_samples: int = Field(2, ge=1, le=10_000, description="Trials (samples) per prompt: the GRPO group size.")
+    env: PluginChoice = Field(default_factory=lambda: PluginChoice(kind="secret-hunt"), description="The environment.")
+    agent: PluginChoice = Field(description="The agent (the policy acting in a trial); default: the environment's.")
+    judge: PluginChoice = Field(description="The judge, or kind 'none'; default: the environment's.")
+    trainer: PluginChoice = Field(description="The trainer; default: the environment's.")
+    rubric: Rubric = Field(description="The judge's rubric (a built-in name or a TOML/YAML file when given).")
+    units: dict[UnitName, UnitOverride] = Field(
+        default_factory=dict, description="Per unit name: retries and timeout overriding its @unit declaration."
     )
-    judge_flake_rate: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="Share of judge tasks made to fail on their first attempt, after the judge answered.",
-    )
-    turn_latency: float = Field(0.2, ge=0.0, description="Simulated seconds of one agent tool call.")
-    judge_latency: float = Field(0.5, ge=0.0, description="Simulated seconds of one judge call.")
-    hang_trials: list[str] = Field(
-        default_factory=list,
-        description="Trial ids whose tool calls never return, to exercise the trial timeout.",
-    )
-    trial_timeout: float = Field(300.0, gt=0.0, description="Seconds one trial attempt may run before it is cancelled.")
     workspace: Literal["auto", "overlay", "reflink", "copy"] = Field(
-        "auto", description="How a trial gets its private working copy: auto, overlay, reflink or copy."
+        "auto", description="How a trial gets its private working copy."
     )
-    sandbox_slots: int = Field(16, ge=1, description="Trials that may run at once.")
-    judge_concurrency: int = Field(16, ge=1, description="Judge calls that may run at once.")
-    policy: Literal["bandit", "llm"] = Field(
-        "bandit", description="Policy: bandit (the spec's) or llm (a tool-calling model)."
+    sandbox_slots: int = Field(16, ge=1, le=4096, description="Trials that may run at once.")
+    judge_concurrency: int = Field(16, ge=1, le=4096, description="Judge tasks that may run at once.")
+    min_success_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="Share of a step's trials that must succeed, or the step fails untrained."
     )
-    policy_model: str = Field("policy", description="Base model of the LLM policy.")
-    policy_adapter: str | None = Field(None, description="LoRA adapter of the LLM policy; versioned per step.")
-    policy_base_url: str = Field(
-        "http://127.0.0.1:8000/v1", description="Base URL of the LLM policy's OpenAI-compatible API."
+    group_policy: Literal["keep", "drop"] = Field(
+        "keep", description="When a trial of a group fails: keep the group's others, or drop the whole group."
     )
-    policy_api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the policy's API key.")
-    policy_max_turns: int = Field(12, ge=1, description="Model responses an LLM policy may take per trial.")
-    judge: Literal["simulated", "llm"] = Field(
-        "simulated", description="Judge: simulated (the spec's) or llm (an OpenAI-compatible endpoint)."
+    driver_retries: int = Field(2, ge=0, le=100, description="Times the supervisor restarts a dead driver.")
+    faults: Faults = Field(default_factory=Faults, description="Failures to inject (testing durability).")
+    python_path: list[str] = Field(
+        default_factory=list, description="Folders that module:attr plug-ins are imported from."
     )
-    judge_model: str = Field("judge", description="Model the LLM judge asks (part of every judgment's identity).")
-    judge_base_url: str = Field(
-        "http://127.0.0.1:8000/v1", description="Base URL of the LLM judge's OpenAI-compatible API."
-    )
-    judge_api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the judge's API key.")
-    judge_rpm: int = Field(600, ge=1, description="Judge requests per minute, per driver process.")
-    judge_timeout: float = Field(60.0, gt=0, description="Seconds one judge request may take.")
-    judge_deadline: float = Field(
-        600.0, gt=0, description="Seconds a judgment keeps retrying through an outage before it fails."
-    )
-    prices: dict[str, tuple[float, float]] = Field(
-        default_factory=dict, description="Per model: USD per million prompt and completion tokens."
-    )
-    crash_driver_at_step: int = Field(
-        -1, description="Kill the driver process hard right after this step, on its first attempt."
-    )
-    tasks: str | None = Field(
-        None, description="Folder of Harbor tasks to train on instead of secret-hunt (absolute path)."
-    )
-    agent: Literal["oracle", "nop", "llm"] = Field(
-        "oracle", description="Agent for Harbor tasks: oracle (runs the solution), nop, or llm (the LLM policy)."
-    )
-    driver_retries: int = Field(2, ge=0, description="Times the supervisor restarts a dead driver.")
-    source_run: str | None = Field(None, description="The run this one re-scores, if any.")
+    source_run: str | None = Field(None, description="The run this one re-scores or forks, if any.")
 
-    @field_validator("rubric")
+    @model_validator(mode="before")
     @classmethod
-    def _known_rubric(cls, name: str) -> str:
-        if name not in RUBRICS:
-            raise ValueError(f"unknown rubric {name!r}; known: {', '.join(RUBRICS)}")
-        return name
+    def _resolve_plugins(cls, data: Any) -> Any:
+        """Fill each plug-in from the environment's defaults and store its full, validated settings."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        add_paths([str(p) for p in data.get("python_path") or []])
+        env = _choice(data.get("env") or {"kind": "secret-hunt"})
+        env_cls: Any = resolve("env", env.kind)
+        defaults: dict[Category, str] = {
+            "agent": env_cls.default_agent,
+            "judge": env_cls.default_judge,
+            "trainer": env_cls.default_trainer,
+        }
+        data["env"] = _normalized("env", env)
+        for category, default in defaults.items():
+            raw = data.get(category)
+            choice = _choice(raw) if raw is not None else PluginChoice(kind=default)
+            if not choice.kind:
+                raise UserError(f"--{category}: the environment {env.kind!r} has no default {category}; name one")
+            data[category] = _normalized(category, choice)
+        rubric = data.get("rubric", "v1")
+        data["rubric"] = load_rubric(rubric) if isinstance(rubric, str) else rubric
+        return data
 
-    @property
-    def uses_llm_policy(self) -> bool:
-        """Whether trials are played by the LLM policy (on secret-hunt worlds or as a Harbor agent)."""
-        return self.policy == "llm" or (self.tasks is not None and self.agent == "llm")
+    @model_validator(mode="after")
+    def _judge_takes_the_rubric(self) -> RunConfig:
+        judge = self.plugins().judge
+        if judge is not None:
+            try:
+                judge.check_rubric(self.rubric)
+            except ValueError as e:
+                raise UserError(f"--rubric {self.rubric.name!r}: {e}") from None
+        return self
 
-    @property
-    def judge_model_name(self) -> str:
-        """The model that judges this run: part of every judgment's identity."""
-        return self.judge_model if self.judge == "llm" else SIMULATED_JUDGE_MODEL
+    def unit(self, name: UnitName) -> UnitOverride:
+        """This run's override for unit `name` (empty when none)."""
+        return self.units.get(name) or UnitOverride()
 
-    @property
-    def rubric_model(self) -> Rubric:
-        """The rubric this run judges with."""
-        return RUBRICS[self.rubric]
+    def plugins(self) -> Plugins:
+        """The run's plug-ins, built once per process for a given config."""
+        return _plugins(self.model_dump_json())
 
-    @property
-    def world_ids(self) -> list[str]:
-        """World ids of the run, in order."""
-        return [f"w{i}" for i in range(self.n_worlds)]
+
+def _choice(raw: Any) -> PluginChoice:
+    if isinstance(raw, str):
+        return PluginChoice(kind=raw)
+    return PluginChoice.model_validate(raw)
+
+
+def _normalized(category: Category, choice: PluginChoice) -> dict[str, Any]:
+    if category == "judge" and choice.kind == NO_JUDGE:
+        if choice.settings:
+            raise UserError(f"--judge {NO_JUDGE}: takes no settings, got {', '.join(sorted(choice.settings))}")
+        return {"kind": NO_JUDGE, "settings": {}}
+    plugin = build(category, choice.kind, choice.settings)
+    return {"kind": choice.kind, "settings": plugin.settings.model_dump(mode="json")}
+
+
+@dataclass(frozen=True)
+class Plugins:
+    """A run's plug-in instances."""
+
+    env: Environment
+    agent: Agent
+    judge: Judge | None
+    trainer: Trainer
+
+
+@functools.lru_cache(maxsize=8)
+def _plugins(config_json: str) -> Plugins:
+    data = json.loads(config_json)  # validated and normalized already
+
+    def make(category: Category) -> Any:
+        choice = data[category]
+        return None if choice["kind"] == NO_JUDGE else build(category, choice["kind"], choice["settings"])
+
+    return Plugins(env=make("env"), agent=make("agent"), judge=make("judge"), trainer=make("trainer"))

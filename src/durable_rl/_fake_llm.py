@@ -26,9 +26,15 @@ class ScriptedLLMServer:
     """A chat-completions server in a background thread; `script` actions are used first."""
 
     def __init__(
-        self, responder: Responder | None = None, *, log_path: str | None = None, token_ids: bool = False
+        self,
+        responder: Responder | None = None,
+        *,
+        log_path: str | None = None,
+        token_ids: bool = False,
+        models_status: int = 200,
     ) -> None:
         self.token_ids = token_ids
+        self.models_status = models_status  # what GET /models answers: 503 plays a server that is down
         self.responder = responder or (lambda body: "ok")
         self.script: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
@@ -83,6 +89,14 @@ class ScriptedLLMServer:
                     self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(payload)
+
+            def do_GET(self) -> None:
+                if not self.path.rstrip("/").endswith("/models"):
+                    self._send(404, b'{"error": {"message": "not found"}}')
+                elif server.models_status != 200:
+                    self._send(server.models_status, b'{"error": {"message": "scripted failure"}}')
+                else:
+                    self._send(200, b'{"object": "list", "data": [{"id": "scripted", "object": "model"}]}')
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")

@@ -20,23 +20,19 @@ import functools
 import json
 import math
 import shutil
-import time
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from ._llm import Endpoint
-from ._llm_policy import agent_loop
-from ._models import AgentTurn, Reward, TrialSpec, Weights, World, _Frozen
-from ._sandbox._process import CommandResult, Limits, sandbox_uid
-from ._sandbox._tools import SandboxTools
-from ._sandbox._workspace import content_hash, publish_snapshot, working_copy
-from ._unit import unit
+from ._models import AgentTurn, JudgeAnswer, Prompt, Reward, ToolCall, Trajectory, TrialSpec, Verdict, Weights, _Frozen
+from ._protocols import Agent, Environment, PluginSettings, Sandbox, TrialContext
+from ._sandbox._process import CommandResult, Limits
+from ._sandbox._tools import read_untrusted
+from ._sandbox._workspace import content_hash
 
-Agent = Literal["oracle", "nop"]
-AGENTS: tuple[str, ...] = ("oracle", "nop", "llm")
+REWARD_FILE_LIMIT = 64 * 1024  # bytes of a reward file the driver reads
 
 
 class TaskError(ValueError):
@@ -112,30 +108,6 @@ class PhaseResult(_Frozen):
         )
 
 
-class TaskTrajectory(_Frozen):
-    """One Harbor trial: the agent's run, the verifier's rewards and each phase's time."""
-
-    trial_id: str
-    world_id: str = Field(description="The task's name.")
-    weights_version: int
-    agent: str
-    agent_result: PhaseResult | None = Field(description="None for the nop agent.")
-    verifier_result: PhaseResult
-    rewards: dict[str, float] = Field(description="The verifier's rewards; reward.txt gives {'reward': x}.")
-    agent_turns: list[AgentTurn] = Field(default_factory=list, description="The LLM agent's turns, tokens included.")
-    timings: dict[str, float] = Field(description="Seconds of setup, agent and verifier.")
-
-    def summary(self) -> dict[str, object]:
-        """What a per-trial table shows of it."""
-        return {
-            "rewards": self.rewards,
-            "timings": self.timings,
-            "agent": self.agent_result.ended_by if self.agent_result else None,
-            "agent_exit": self.agent_result.exit_code if self.agent_result else None,
-            "verifier": self.verifier_result.ended_by,
-        }
-
-
 def load_tasks(root: Path) -> list[HarborTask]:
     """Every task under `root` (a task folder, or a folder of them), sorted by name."""
     if not root.is_dir():
@@ -176,15 +148,6 @@ def tasks_at(path: str) -> tuple[HarborTask, ...]:
     return tuple(load_tasks(Path(path)))
 
 
-def trial_specs(step: int, tasks: list[HarborTask], n_samples: int) -> list[TrialSpec]:
-    """Each task, n_samples times per step; the prompt is its instruction."""
-    return [
-        TrialSpec(trial_id=f"s{step}-{task.name}-n{s}", step=step, world_id=task.name, prompt=task.instruction)
-        for task in tasks
-        for s in range(n_samples)
-    ]
-
-
 def _environment_without_dockerfile(task: HarborTask, staging: Path) -> None:
     shutil.copytree(
         Path(task.path) / "environment",
@@ -193,21 +156,6 @@ def _environment_without_dockerfile(task: HarborTask, staging: Path) -> None:
         dirs_exist_ok=True,
         ignore=lambda d, names: ["Dockerfile"] if Path(d) == Path(task.path) / "environment" else [],
     )
-
-
-@unit(name="harbor_build_world", version="1", tier="sandbox", retries=1)
-async def build_task_world(task: HarborTask, *, snapshots_dir: Path) -> World:
-    """The task's environment/ as a content-addressed snapshot (its Dockerfile, if any, is not built)."""
-
-    def publish() -> tuple[Path, str]:
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix=f"task-{task.name}-") as tmp:
-            _environment_without_dockerfile(task, Path(tmp))
-            return publish_snapshot(Path(tmp), snapshots_dir)
-
-    root, content = await asyncio.to_thread(publish)
-    return World(world_id=task.name, root=str(root), content_sha256=content)
 
 
 def _limits(task: HarborTask, wall_s: float) -> Limits:
@@ -221,100 +169,6 @@ def _limits(task: HarborTask, wall_s: float) -> Limits:
     )
 
 
-@unit(name="harbor_trial", version="2", tier="sandbox", retries=1, timeout_s=None)
-async def run_task_trial(
-    spec: TrialSpec,
-    weights: Weights,
-    world: World,
-    task: HarborTask,
-    agent: str,
-    *,
-    trials_dir: Path,
-    method: str = "auto",
-    llm: Endpoint | None = None,
-    llm_max_turns: int = 12,
-) -> TaskTrajectory:
-    """Setup, agent, verifier in one private working copy; raises VerificationFailed without a reward."""
-    from ._sandbox._process import run_command
-
-    uid = sandbox_uid()
-    t0 = time.perf_counter()
-    async with working_copy(Path(world.root), trials_dir, method=method, owner_uid=uid) as ws:
-        logs = ws.aux / "logs"
-        dirs = {
-            "WORKDIR": ws.path,
-            "TESTS_DIR": ws.aux / "tests",
-            "SOLUTION_DIR": ws.aux / "solution",
-            "LOGS_DIR": logs,
-        }
-        await asyncio.to_thread(_prepare_aux, task, ws.aux, uid, agent == "oracle")
-        env = {**task.config.environment.env, **{k: str(v) for k, v in dirs.items()}}
-        setup_s = time.perf_counter() - t0
-
-        agent_result: PhaseResult | None = None
-        agent_turns: list[AgentTurn] = []
-        if agent == "llm":
-            if llm is None or weights.policy is None:
-                raise TaskError("the llm agent needs an LLM policy and its endpoint")
-            wall = task.config.agent.wall_s
-            tools = SandboxTools(ws.path, limits=_limits(task, wall), uid=uid)
-            t_agent, ended_by = time.perf_counter(), "exit"
-            try:
-                agent_turns = await asyncio.wait_for(
-                    agent_loop(llm, weights.policy, task.instruction, tools, max_turns=llm_max_turns), wall
-                )
-            except TimeoutError:
-                ended_by = "deadline"  # still verified, as Harbor does
-            agent_result = PhaseResult(
-                exit_code=0 if ended_by == "exit" else None,
-                signal=None,
-                ended_by=ended_by,
-                seconds=round(time.perf_counter() - t_agent, 3),
-                stderr_tail="",
-            )
-        elif agent == "oracle":
-            if task.solution_sha256 is None:
-                raise TaskError(f"task {task.name} has no solution/solve.sh for the oracle agent")
-            wall = task.config.agent.wall_s
-            ran = await run_command(
-                'bash "$SOLUTION_DIR/solve.sh"',
-                cwd=ws.path,
-                limits=_limits(task, wall),
-                uid=uid,
-                env={**env, **task.config.solution.env},
-            )
-            agent_result = PhaseResult.of(ran)  # a failed or timed-out agent is still verified, as Harbor does
-
-        await asyncio.to_thread(_copy_tests, task, ws.aux, uid)
-        verifier = task.config.verifier
-        checked = await run_command(
-            'bash "$TESTS_DIR/test.sh"',
-            cwd=ws.path,
-            limits=_limits(task, verifier.timeout_sec),
-            uid=uid,
-            env={**env, **verifier.env},
-        )
-        verifier_result = PhaseResult.of(checked)
-        if checked.ended_by == "deadline":
-            raise VerificationFailed(f"verifier passed its {verifier.timeout_sec:g} s timeout and was killed")
-        rewards = await asyncio.to_thread(read_rewards, logs / "verifier")
-    return TaskTrajectory(
-        trial_id=spec.trial_id,
-        world_id=task.name,
-        weights_version=weights.version,
-        agent=agent,
-        agent_result=agent_result,
-        verifier_result=verifier_result,
-        rewards=rewards,
-        agent_turns=agent_turns,
-        timings={
-            "setup": round(setup_s, 3),
-            "agent": agent_result.seconds if agent_result else 0.0,
-            "verifier": verifier_result.seconds,
-        },
-    )
-
-
 def _chown_tree(root: Path, uid: int | None) -> None:
     if uid is None:
         return
@@ -322,12 +176,15 @@ def _chown_tree(root: Path, uid: int | None) -> None:
         shutil.chown(path, uid, uid)
 
 
-def _prepare_aux(task: HarborTask, aux: Path, uid: int | None, with_solution: bool) -> None:
+def _prepare_logs(aux: Path, uid: int | None) -> None:
     (aux / "logs" / "agent").mkdir(parents=True)
     (aux / "logs" / "verifier").mkdir(parents=True)
-    if with_solution and task.solution_sha256 is not None:
-        shutil.copytree(Path(task.path) / "solution", aux / "solution")
-    _chown_tree(aux, uid)
+    _chown_tree(aux / "logs", uid)
+
+
+def _copy_solution(task: HarborTask, aux: Path, uid: int | None) -> None:
+    shutil.copytree(Path(task.path) / "solution", aux / "solution")  # only for the oracle: no other agent sees it
+    _chown_tree(aux / "solution", uid)
 
 
 def _copy_tests(task: HarborTask, aux: Path, uid: int | None) -> None:
@@ -337,9 +194,10 @@ def _copy_tests(task: HarborTask, aux: Path, uid: int | None) -> None:
 
 def read_rewards(verifier_logs: Path) -> dict[str, float]:
     """The verifier's rewards from reward.txt or reward.json; VerificationFailed says what is wrong."""
-    txt, js = verifier_logs / "reward.txt", verifier_logs / "reward.json"
-    if txt.exists():
-        text = txt.read_text().strip()
+    txt = read_untrusted(verifier_logs / "reward.txt", REWARD_FILE_LIMIT)
+    js = read_untrusted(verifier_logs / "reward.json", REWARD_FILE_LIMIT)
+    if txt is not None:
+        text = txt.strip()
         if not text:
             raise VerificationFailed("reward.txt is empty")
         try:
@@ -349,9 +207,9 @@ def read_rewards(verifier_logs: Path) -> dict[str, float]:
         if not math.isfinite(value):
             raise VerificationFailed(f"reward.txt is not a finite number: {text[:80]!r}")
         return {"reward": value}
-    if js.exists():
+    if js is not None:
         try:
-            data: Any = json.loads(js.read_text())
+            data: Any = json.loads(js)
         except json.JSONDecodeError as e:
             raise VerificationFailed(f"reward.json is not JSON: {e}") from None
         if not isinstance(data, dict) or not data:
@@ -362,11 +220,7 @@ def read_rewards(verifier_logs: Path) -> dict[str, float]:
         if bad:
             raise VerificationFailed(f"reward.json has values that are not numbers: {', '.join(sorted(bad))}")
         return {str(k): float(v) for k, v in data.items()}
-    raise VerificationFailed("the verifier wrote neither reward.txt nor reward.json")
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    raise VerificationFailed("the verifier wrote neither reward.txt nor reward.json (as regular files)")
 
 
 def scalar_reward(rewards: dict[str, float]) -> float:
@@ -376,17 +230,150 @@ def scalar_reward(rewards: dict[str, float]) -> float:
     return sum(rewards.values()) / len(rewards)
 
 
-@unit(name="harbor_score", version="1", tier="judge", retries=2)
-async def score_task(traj: TaskTrajectory) -> Reward:
-    """A Harbor trial's reward is its verifier's: no judge call is made for it."""
-    reward = round(scalar_reward(traj.rewards), 6)
-    return Reward(
-        trial_id=traj.trial_id,
-        world_id=traj.world_id,
-        verified_correct=reward > 0,
-        n_turns=1 if traj.agent_result is not None else 0,
-        judge_score=0.0,
-        reward=reward,
-        found_doc=None,
-        rewards=traj.rewards,
-    )
+class HarborSettings(PluginSettings):
+    path: str = Field(description="Folder of Harbor tasks (a task folder, or a folder of them), absolute.")
+
+    @field_validator("path")
+    @classmethod
+    def _loads(cls, path: str) -> str:
+        tasks_at(path)  # a TaskError (a ValueError) names the task file and its fault
+        return path
+
+
+class Harbor(Environment):
+    """Harbor-format tasks: each task is a world, its instruction the prompt, its tests the verifier."""
+
+    kind = "harbor"
+    Settings = HarborSettings
+    default_agent = "oracle"
+    default_judge = "none"
+    default_trainer = "version"
+    settings: HarborSettings
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": self.kind, "version": self.version}  # each task's identity is its files' hashes
+
+    def tasks(self) -> dict[str, HarborTask]:
+        """The task set, by name."""
+        return {t.name: t for t in tasks_at(self.settings.path)}
+
+    def task(self, name: str) -> HarborTask:
+        """One task of the set."""
+        return self.tasks()[name]
+
+    def world_ids(self) -> list[str]:
+        return list(self.tasks())
+
+    def world_inputs(self, world_id: str) -> dict[str, Any]:
+        return _task_identity(self.task(world_id))
+
+    def write_world(self, world_id: str, dest: Path) -> None:
+        _environment_without_dockerfile(self.task(world_id), dest)
+
+    def prompts(self, step: int) -> list[Prompt]:
+        return [Prompt(prompt_id=t.name, world_id=t.name, text=t.instruction) for t in self.tasks().values()]
+
+    def trial_inputs(self, spec: TrialSpec) -> dict[str, Any]:
+        return {"task": _task_identity(self.task(spec.world_id))}  # its hidden tests decide the verdict
+
+    def trial_timeout(self, spec: TrialSpec) -> float:
+        # the trial's own deadlines bound its phases; this one only catches a stuck runner
+        config = self.task(spec.world_id).config
+        return config.agent.wall_s + config.verifier.timeout_sec + 60.0
+
+    async def setup(self, spec: TrialSpec, sandbox: Sandbox) -> None:
+        task = self.task(spec.world_id)
+        await asyncio.to_thread(_prepare_logs, sandbox.aux, sandbox.uid)
+        dirs = {
+            "WORKDIR": sandbox.path,
+            "TESTS_DIR": sandbox.aux / "tests",
+            "SOLUTION_DIR": sandbox.aux / "solution",
+            "LOGS_DIR": sandbox.aux / "logs",
+        }
+        sandbox.env.update({**task.config.environment.env, **{k: str(v) for k, v in dirs.items()}})
+        sandbox.limits = _limits(task, task.config.agent.wall_s)
+        sandbox.tools.limits = sandbox.limits
+
+    async def verify(self, spec: TrialSpec, traj: Trajectory, sandbox: Sandbox) -> Verdict:
+        """The task's tests/test.sh in the same copy, after the agent; its reward file decides."""
+        task = self.task(spec.world_id)
+        await asyncio.to_thread(_copy_tests, task, sandbox.aux, sandbox.uid)
+        verifier = task.config.verifier
+        checked = await sandbox.run(
+            'bash "$TESTS_DIR/test.sh"', env=verifier.env, limits=_limits(task, verifier.timeout_sec)
+        )
+        if checked.ended_by == "deadline":
+            raise VerificationFailed(f"verifier passed its {verifier.timeout_sec:g} s timeout and was killed")
+        rewards = await asyncio.to_thread(read_rewards, sandbox.aux / "logs" / "verifier")
+        score = round(scalar_reward(rewards), 6)
+        phase = PhaseResult.of(checked)
+        return Verdict(
+            score=score,
+            passed=score > 0,
+            components=rewards,
+            details={"verifier": phase.model_dump(), "summary": {"verifier": phase.ended_by}},
+        )
+
+    def reward(self, traj: Trajectory, judged: JudgeAnswer | None) -> Reward:
+        verdict = traj.verdict or Verdict(score=0.0, passed=False)
+        components = dict(verdict.components)
+        total = verdict.score
+        if judged is not None:  # the LLM judge's rubric score adds to the verifier's, as on secret-hunt
+            components["judge"] = judged.score
+            total += judged.score
+        return Reward(
+            trial_id=traj.trial_id,
+            world_id=traj.world_id,
+            reward=round(total, 6),
+            components=components,
+            n_turns=len(traj.turns),
+        )
+
+
+def _task_identity(task: HarborTask) -> dict[str, Any]:
+    return task.model_dump(mode="json", exclude={"path"})  # where the folder lies is not what it is
+
+
+def _harbor(ctx: TrialContext) -> Harbor:
+    if not isinstance(ctx.environment, Harbor):
+        raise TaskError("this agent plays Harbor tasks only (--env harbor)")
+    return ctx.environment
+
+
+class OracleAgent(Agent):
+    """Runs the task's solution/solve.sh: the reference agent that should score 1."""
+
+    kind = "oracle"
+
+    async def run(self, spec: TrialSpec, weights: Weights, sandbox: Sandbox, ctx: TrialContext) -> Trajectory:
+        task = _harbor(ctx).task(spec.world_id)
+        if task.solution_sha256 is None:
+            raise TaskError(f"task {task.name} has no solution/solve.sh for the oracle agent")
+        await asyncio.to_thread(_copy_solution, task, sandbox.aux, sandbox.uid)
+        command = 'bash "$SOLUTION_DIR/solve.sh"'
+        ran = await sandbox.run(command, env=task.config.solution.env)
+        phase = PhaseResult.of(ran)  # a failed or timed-out agent is still verified, as Harbor does
+        return Trajectory(
+            trial_id=spec.trial_id,
+            world_id=spec.world_id,
+            weights_version=weights.version,
+            turns=[
+                AgentTurn(
+                    tool_calls=[
+                        ToolCall(
+                            name="run", arguments={"command": command}, result=ran.stdout[-2000:], error=not ran.ok
+                        )
+                    ]
+                )
+            ],
+            metadata={"agent": phase.model_dump(), "summary": {"agent": phase.ended_by, "agent_exit": phase.exit_code}},
+        )
+
+
+class NopAgent(Agent):
+    """Does nothing: the floor every task's verifier should score 0."""
+
+    kind = "nop"
+
+    async def run(self, spec: TrialSpec, weights: Weights, sandbox: Sandbox, ctx: TrialContext) -> Trajectory:
+        return Trajectory(trial_id=spec.trial_id, world_id=spec.world_id, weights_version=weights.version)

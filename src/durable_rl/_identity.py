@@ -29,3 +29,8 @@ def identity(name: str, version: str, inputs: dict[str, Any]) -> str:
     """The hex sha256 naming a unit call; equal identities have equal recorded outputs."""
     text = f"{name}\x00{version}\x00{canonical_json(inputs)}"
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def seed(*parts: str) -> int:
+    """A 32-bit seed from string parts: the first 8 hex digits of sha256 over them joined by '|'."""
+    return int(hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:8], 16)

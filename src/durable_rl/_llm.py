@@ -16,13 +16,42 @@ import random
 import time
 import weakref
 from collections import deque
+from contextvars import ContextVar
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class LLMUnavailable(RuntimeError):
     """The endpoint gave no usable answer before the deadline."""
+
+
+# The failures a unit attempt met on its way, so an attempt cut off by its deadline can say what
+# it was waiting through (connection refused, HTTP 503) rather than only that time ran out.
+FAILURES: ContextVar[list[str] | None] = ContextVar("durable_rl_failures", default=None)
+
+
+def note_failure(what: str) -> None:
+    """Tell the running attempt, if any is listening, of a failure it retried through."""
+    seen = FAILURES.get()
+    if seen is not None:
+        seen.append(what)
+
+
+def root_cause(error: BaseException) -> str:
+    """The innermost cause of an exception, as 'Type: message' (e.g. ConnectError: ... refused)."""
+    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return f"{type(error).__name__}: {error}"
+
+
+def http_url(url: str) -> str:
+    """`url` if it is an http(s) URL with a host, else ValueError (a base URL is checked before a run starts)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL with a host")
+    return url
 
 
 class Endpoint(BaseModel):
@@ -176,8 +205,8 @@ async def chat(
                         raise LLMUnavailable(f"{endpoint.model}: {last}: {e.message}") from None
                 except openai.APITimeoutError:
                     last = "timed out"
-                except openai.APIConnectionError:
-                    last = "connection dropped"
+                except openai.APIConnectionError as e:
+                    last = f"connection failed ({root_cause(e)})"
                 except (ValueError, IndexError, AttributeError, TypeError) as e:  # a body that is not a completion
                     last = f"malformed response: {type(e).__name__}"
                 else:
@@ -196,6 +225,7 @@ async def chat(
                     await observer.after_request(n, "answered", result)
                     return result
                 await observer.after_request(n, last, None)
+                note_failure(f"{endpoint.base_url}: {last}")
             pause = wait if wait is not None else delay * random.uniform(0.5, 1.5)
             delay = min(endpoint.max_backoff_s, delay * 2)
             if time.monotonic() + pause > deadline:
@@ -205,3 +235,23 @@ async def chat(
             await asyncio.sleep(pause)
     finally:
         await client.close()
+
+
+async def check_endpoint(base_url: str, api_key_env: str, *, timeout_s: float = 10.0) -> str | None:
+    """None when an OpenAI-compatible endpoint answers at all, else why not: checked before a
+    run's first step, so a dead endpoint fails the run at once instead of skipping every trial."""
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key=os.environ.get(api_key_env) or "none", max_retries=0, timeout=timeout_s
+    )
+    try:
+        await client.models.list()
+    except openai.APIStatusError as e:
+        if e.status_code in (401, 403, 500, 502, 503, 504):  # a 404 or 501 still answered: no /models there
+            return f"{base_url}: HTTP {e.status_code} from GET /models"
+    except openai.APIError as e:  # connection refused, DNS, timeout, a body that is not JSON
+        return f"{base_url}: unreachable ({root_cause(e)})"
+    finally:
+        await client.close()
+    return None

@@ -1,7 +1,5 @@
-"""An LLM judge: a rubric of named, weighted criteria becomes a chat-completion request; the
-answer must be a JSON object of per-criterion scores, or it is asked again, then refused.
-
-Two hooks make a judge: `build_prompt` and `parse_answer`; subclass to change either.
+"""An LLM judge plug-in: a rubric of named, weighted criteria becomes a chat-completion request;
+the answer must be a JSON object of per-criterion scores, or it is asked again, then refused.
 """
 
 from __future__ import annotations
@@ -10,22 +8,15 @@ import json
 import time
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from ._llm import ChatResult, Endpoint, Observer, chat
-from ._models import JudgeAnswer, Rubric, Trajectory, _Frozen
+from ._llm import ChatResult, Endpoint, Observer, chat, http_url
+from ._models import JudgeAnswer, Rubric, Trajectory
+from ._protocols import VOLATILE, Judge, JudgeContext, PluginSettings
 
 
 class JudgeAnswerInvalid(RuntimeError):
     """The judge's answers did not follow the schema, after every re-ask."""
-
-
-class Criterion(_Frozen):
-    """One thing the judge scores, from 0 to 1."""
-
-    name: str
-    weight: float
-    description: str
 
 
 DEFAULT_TEMPLATE = """You are grading one attempt of an agent at a task.
@@ -39,62 +30,83 @@ The attempt, as JSON:
 Reply with only a JSON object, no prose: {{"scores": {{{schema}}}}}"""
 
 
-class JudgeRubric(_Frozen):
-    """Named criteria with weights, and the prompt that asks for them."""
-
-    name: str
-    criteria: list[Criterion]
-    template: str = Field(DEFAULT_TEMPLATE, description="Prompt with {criteria}, {trajectory} and {schema}.")
-
-
-def secret_hunt_rubric(rubric: Rubric) -> JudgeRubric:
-    """The secret-hunt criteria, weighted as `rubric` weighs them."""
-    return JudgeRubric(
-        name=rubric.name,
-        criteria=[
-            Criterion(
-                name="correctness",
-                weight=rubric.correctness_weight,
-                description="the answer is the secret's sha256 digest found in a document",
-            ),
-            Criterion(
-                name="efficiency",
-                weight=rubric.efficiency_weight,
-                description="few documents read before the answer (1.0 for one, 0.0 for nine)",
-            ),
-            Criterion(
-                name="tidiness", weight=rubric.tidiness_weight, description="the agent left only answer.txt behind"
-            ),
-        ],
+class LLMJudgeSettings(PluginSettings):
+    model: str = Field("judge", description="The model asked (part of every judgment's identity).")
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the OpenAI-compatible API.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
+    requests_per_minute: int = Field(
+        600, ge=1, le=1_000_000, description="Requests per minute, per process.", json_schema_extra=VOLATILE
+    )
+    concurrency: int = Field(
+        16, ge=1, le=4096, description="Requests in flight at once, per process.", json_schema_extra=VOLATILE
+    )
+    request_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="Seconds one request may take.", json_schema_extra=VOLATILE
+    )
+    deadline_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 86400,
+        description="Seconds of retrying an outage.",
+        json_schema_extra=VOLATILE,
+    )
+    max_reasks: int = Field(2, ge=0, le=20, description="Times a malformed answer is asked again.")
+    prices: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="Per model: USD per million prompt and completion tokens.",
+        json_schema_extra=VOLATILE,
     )
 
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        return http_url(url)
 
-class LLMJudge:
-    """Judges through an OpenAI-compatible endpoint; `model` is part of every answer's identity."""
 
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        *,
-        price_per_mtok: tuple[float, float] = (0.0, 0.0),
-        max_reasks: int = 2,
-        observer: Observer | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.model = endpoint.model
-        self.price_per_mtok = price_per_mtok
-        self.max_reasks = max_reasks
-        self.observer = observer
+class LLMJudge(Judge):
+    """Judges through an OpenAI-compatible endpoint. Two hooks make a judge: `build_prompt` and
+    `parse_answer`; subclass to change either."""
 
-    def build_prompt(self, traj: Trajectory, rubric: JudgeRubric) -> list[dict[str, Any]]:
+    kind = "llm"
+    Settings = LLMJudgeSettings
+    settings: LLMJudgeSettings
+
+    @property
+    def model(self) -> str:
+        return self.settings.model
+
+    @property
+    def price(self) -> tuple[float, float]:
+        """USD per million prompt and completion tokens of this judge's model."""
+        return self.settings.prices.get(self.model, (0.0, 0.0))
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """Where and how requests go."""
+        s = self.settings
+        return Endpoint(
+            model=s.model,
+            base_url=s.base_url,
+            api_key_env=s.api_key_env,
+            request_timeout_s=s.request_timeout_s,
+            deadline_s=s.deadline_s,
+            concurrency=s.concurrency,
+            requests_per_minute=s.requests_per_minute,
+        )
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        return [(self.settings.base_url, self.settings.api_key_env)]
+
+    def build_prompt(self, traj: Trajectory, rubric: Rubric) -> list[dict[str, Any]]:
         """The request's messages (hook)."""
         criteria = "\n".join(f"- {c.name}: {c.description}" for c in rubric.criteria)
         schema = ", ".join(f'"{c.name}": <0..1>' for c in rubric.criteria)
         attempt = traj.model_dump(mode="json")
-        text = rubric.template.format(criteria=criteria, trajectory=json.dumps(attempt, sort_keys=True), schema=schema)
+        template = rubric.template or DEFAULT_TEMPLATE
+        text = template.format(criteria=criteria, trajectory=json.dumps(attempt, sort_keys=True), schema=schema)
         return [{"role": "user", "content": text}]
 
-    def parse_answer(self, content: str, rubric: JudgeRubric) -> dict[str, float]:
+    def parse_answer(self, content: str, rubric: Rubric) -> dict[str, float]:
         """Per-criterion scores from the answer, or ValueError saying what is wrong (hook)."""
         try:
             data = json.loads(content)
@@ -113,20 +125,20 @@ class LLMJudge:
             out[name] = float(value)
         return out
 
-    async def judge(self, traj: Trajectory, rubric: Rubric) -> JudgeAnswer:
+    async def judge(self, traj: Trajectory, rubric: Rubric, ctx: JudgeContext) -> JudgeAnswer:
         """Ask, re-ask on a malformed answer, and combine the criteria by their weights."""
-        judge_rubric = secret_hunt_rubric(rubric)
-        messages = self.build_prompt(traj, judge_rubric)
+        messages = self.build_prompt(traj, rubric)
         t0 = time.monotonic()
         results: list[ChatResult] = []
-        counter = _CountingObserver(self.observer)
+        counter = _CountingObserver(ctx.observer)
         problem = ""
-        for _ in range(self.max_reasks + 1):
-            result = await chat(self.endpoint, messages, observer=counter, response_format={"type": "json_object"})
+        endpoint = self.endpoint
+        for _ in range(self.settings.max_reasks + 1):
+            result = await chat(endpoint, messages, observer=counter, response_format={"type": "json_object"})
             results.append(result)
             content = result.message.get("content") or ""
             try:
-                scores = self.parse_answer(content, judge_rubric)
+                scores = self.parse_answer(content, rubric)
             except ValueError as e:
                 problem = str(e)
                 messages = [
@@ -140,8 +152,9 @@ class LLMJudge:
                 continue
             prompt = sum(r.usage.prompt_tokens for r in results)
             completion = sum(r.usage.completion_tokens for r in results)
+            price = self.price
             return JudgeAnswer(
-                score=round(sum(c.weight * scores[c.name] for c in judge_rubric.criteria), 3),
+                score=round(sum(c.weight * scores[c.name] for c in rubric.criteria), 3),
                 model=self.model,
                 scores=scores,
                 raw=result.raw,
@@ -149,7 +162,7 @@ class LLMJudge:
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 latency_s=round(time.monotonic() - t0, 4),
-                cost_usd=round((prompt * self.price_per_mtok[0] + completion * self.price_per_mtok[1]) / 1e6, 8),
+                cost_usd=round((prompt * price[0] + completion * price[1]) / 1e6, 8),
             )
         raise JudgeAnswerInvalid(f"{self.model} answered {len(results)} times without valid scores: {problem}")
 

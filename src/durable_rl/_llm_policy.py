@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._llm import ChatResult, Endpoint, Observer, chat
-from ._models import AgentTurn, PolicyRef, ToolCall, Trajectory, TrialSpec, Turn
+from pydantic import Field, field_validator
+
+from ._llm import ChatResult, Endpoint, Observer, chat, http_url
+from ._models import AgentTurn, ToolCall, Trajectory, TrialSpec, Weights
+from ._protocols import VOLATILE, Agent, PluginSettings, Sandbox, TrialContext
 from ._sandbox._tools import SandboxTools, ToolError
 
 TOOLS: list[dict[str, Any]] = [
@@ -86,7 +89,6 @@ def _tokens(result: ChatResult) -> tuple[list[float] | None, list[int] | None]:
 
 async def agent_loop(
     endpoint: Endpoint,
-    policy: PolicyRef,
     instruction: str,
     tools: SandboxTools,
     *,
@@ -98,10 +100,9 @@ async def agent_loop(
         {"role": "system", "content": "You act in a working folder through tools. Paths are relative to it."},
         {"role": "user", "content": instruction},
     ]
-    served = endpoint.model_copy(update={"model": policy.served_name})
     turns: list[AgentTurn] = []
     for _ in range(max_turns):
-        result = await chat(served, messages, observer=observer, tools=TOOLS, logprobs=True)
+        result = await chat(endpoint, messages, observer=observer, tools=TOOLS, logprobs=True)
         message = result.message
         calls: list[ToolCall] = []
         messages.append({k: v for k, v in message.items() if k in ("role", "content", "tool_calls")})
@@ -134,42 +135,59 @@ async def agent_loop(
     return turns
 
 
-SECRET_HUNT_PROMPT = (
-    "The folder docs/ holds eight documents. One of them has a line 'secret_sha256: <digest>'. "
-    "Find it, reading as few documents as you can, and write only the digest to answer.txt."
-)
-
-
-async def secret_hunt_with_llm(
-    spec: TrialSpec,
-    weights_version: int,
-    policy: PolicyRef,
-    tools: SandboxTools,
-    endpoint: Endpoint,
-    *,
-    max_turns: int,
-) -> Trajectory:
-    """A secret-hunt trial played by the LLM policy: its reads become the trajectory's turns."""
-    before = set(await tools.list_dir("."))
-    turns = await agent_loop(endpoint, policy, SECRET_HUNT_PROMPT, tools, max_turns=max_turns)
-    reads: list[Turn] = []
-    for call in (c for t in turns for c in t.tool_calls):
-        path = str(call.arguments.get("path", ""))
-        name = path.removeprefix("./").removeprefix("docs/")
-        if call.name == "read_file" and not call.error and name.startswith("doc_") and name.endswith(".txt"):
-            reads.append(Turn(doc=int(name[4:-4]), found="secret_sha256:" in call.result))
-    after = set(await tools.list_dir("."))
-    written = sorted(after - before, key=lambda f: (f != "answer.txt", f))
-    try:
-        answer = (await tools.read_file("answer.txt")).strip() or None
-    except ToolError:
-        answer = None
-    return Trajectory(
-        trial_id=spec.trial_id,
-        world_id=spec.world_id,
-        weights_version=weights_version,
-        turns=reads,
-        answer=answer,
-        files_written=written,
-        agent_turns=turns,
+class LLMAgentSettings(PluginSettings):
+    model: str = Field("policy", description="Base model of the policy (served by the endpoint).")
+    adapter: str | None = Field(
+        None, description="LoRA adapter name; each weights version is served as {adapter}-v{version}."
     )
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the OpenAI-compatible API.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
+    max_turns: int = Field(12, ge=1, le=10_000, description="Model responses allowed per trial.")
+    request_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="Seconds one request may take.", json_schema_extra=VOLATILE
+    )
+    deadline_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 86400,
+        description="Seconds of retrying an outage.",
+        json_schema_extra=VOLATILE,
+    )
+    concurrency: int = Field(
+        16, ge=1, le=4096, description="Requests in flight at once, per process.", json_schema_extra=VOLATILE
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        return http_url(url)
+
+
+class LLMAgent(Agent):
+    """A tool-calling model acting through the trial's sandbox tools; its weights are a reference:
+    the model, the adapter and the weights' version name what the endpoint serves."""
+
+    kind = "llm"
+    Settings = LLMAgentSettings
+    settings: LLMAgentSettings
+
+    def served_name(self, weights: Weights) -> str:
+        """The model name a request asks for with these weights."""
+        s = self.settings
+        return f"{s.adapter}-v{weights.version}" if s.adapter else s.model
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        return [(self.settings.base_url, self.settings.api_key_env)]
+
+    async def run(self, spec: TrialSpec, weights: Weights, sandbox: Sandbox, ctx: TrialContext) -> Trajectory:
+        s = self.settings
+        endpoint = Endpoint(
+            model=self.served_name(weights),
+            base_url=s.base_url,
+            api_key_env=s.api_key_env,
+            request_timeout_s=s.request_timeout_s,
+            deadline_s=s.deadline_s,
+            concurrency=s.concurrency,
+        )
+        turns = await agent_loop(endpoint, spec.instruction or spec.prompt, sandbox.tools, max_turns=s.max_turns)
+        return Trajectory(trial_id=spec.trial_id, world_id=spec.world_id, weights_version=weights.version, turns=turns)

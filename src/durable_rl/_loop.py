@@ -1,32 +1,54 @@
 """The driver, written once: the training loop over whatever engine makes its calls durable.
 
-An engine supplies `Ops`; the loop never learns which one it runs on.
+An engine supplies `Ops`; the loop asks the run's plug-ins for worlds, prompts and first weights
+through their protocols, and never learns which environment or engine it runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from pydantic import Field
 
-from . import _harbor as harbor
-from . import _secret_hunt as hunt_env
-from ._config import RunConfig
-from ._models import PolicyRef, Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
-
-AnyTrajectory = Trajectory | harbor.TaskTrajectory
+from ._config import Plugins, RunConfig
+from ._llm import check_endpoint
+from ._models import Reward, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
+from ._protocols import Environment
 
 
 class UnitFailed(Exception):
     """A unit that failed on every attempt; carries the last attempt's error."""
 
 
+class StepFailed(RuntimeError):
+    """Too few of a step's trials succeeded to train on: the step is recorded, the weights stay."""
+
+
+class EndpointDown(RuntimeError):
+    """A model endpoint the run needs did not answer before the first step."""
+
+
+async def check_endpoints(plugins: Plugins) -> list[str]:
+    """What is wrong with each HTTP endpoint the run's plug-ins call; empty when all answer."""
+    found = [
+        (category, url, key_env)
+        for category, plugin in (("agent", plugins.agent), ("judge", plugins.judge), ("env", plugins.env))
+        if plugin is not None
+        for url, key_env in plugin.endpoints()
+    ]
+    answers = await asyncio.gather(*(check_endpoint(url, key_env) for _, url, key_env in found))
+    return [
+        f"{category} endpoint {problem}" for (category, _, _), problem in zip(found, answers, strict=True) if problem
+    ]
+
+
 class TrialOutcome(_Frozen):
     """One trial's end: a reward, or the reason it was skipped."""
 
     trial_id: str
+    group: str = ""
     reward: Reward | None = None
     error: str | None = Field(None, description="'phase: ExceptionType: message' of a skipped trial.")
     info: dict[str, Any] = Field(default_factory=dict, description="What the trajectory says of itself.")
@@ -43,7 +65,7 @@ class TrialOutcome(_Frozen):
 
 
 class StepRecord(_Frozen):
-    """What the loop reports about a finished step."""
+    """What the loop reports about a finished (or failed) step."""
 
     result: StepResult
     n_specs: int
@@ -51,6 +73,7 @@ class StepRecord(_Frozen):
     failed_trials: dict[str, str]
     max_turns: int
     wall_s: float
+    error: str | None = Field(None, description="Why the step failed untrained, None when it trained.")
 
 
 class Ops(Protocol):
@@ -58,62 +81,97 @@ class Ops(Protocol):
 
     async def build_worlds(self, world_ids: list[str]) -> dict[str, World]: ...
 
-    async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> AnyTrajectory: ...
+    async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> Trajectory: ...
 
-    async def verify_and_judge(self, traj: AnyTrajectory, rubric: Rubric) -> Reward: ...
+    async def verify_and_judge(self, traj: Trajectory) -> Reward: ...
 
     async def fan_out(
-        self, specs: list[TrialSpec], weights: Weights, worlds: dict[str, World], rubric: Rubric
+        self, specs: list[TrialSpec], weights: Weights, worlds: dict[str, World]
     ) -> list[TrialOutcome]: ...
 
-    async def train_step(self, step: int, weights: Weights, rewards: list[Reward], lr: float) -> StepResult: ...
+    async def train_step(self, step: int, weights: Weights, rewards: list[Reward]) -> StepResult: ...
 
     async def step_done(self, record: StepRecord) -> None: ...
 
 
-async def run_trial(ops: Ops, spec: TrialSpec, weights: Weights, world: World, rubric: Rubric) -> TrialOutcome:
-    """One trial's pipeline: generate, then judge the trajectory the moment it lands."""
+def trial_specs(env: Environment, step: int, n_samples: int) -> list[TrialSpec]:
+    """The trials of a step: each of the environment's prompts, n_samples times, in that order."""
+    prompts = env.prompts(step)
+    ids = [p.prompt_id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"step {step}: the environment gave duplicate prompt ids")
+    return [
+        TrialSpec(
+            trial_id=f"s{step}-{p.prompt_id}-n{s}",
+            step=step,
+            world_id=p.world_id,
+            prompt=p.text,
+            max_turns=p.max_turns,
+            group=f"s{step}-{p.prompt_id}",
+            instruction=p.instruction,
+            metadata=p.metadata,
+        )
+        for p in prompts
+        for s in range(n_samples)
+    ]
+
+
+async def run_trial(ops: Ops, spec: TrialSpec, weights: Weights, world: World) -> TrialOutcome:
+    """One trial's pipeline: generate (agent, then verifier), then judge the moment it lands."""
     try:
         traj = await ops.generate(spec, weights, world)
     except UnitFailed as e:
-        return TrialOutcome(trial_id=spec.trial_id, error=f"generate: {e}")
+        return TrialOutcome(trial_id=spec.trial_id, group=spec.group, error=f"generate: {e}")
     try:
-        reward = await ops.verify_and_judge(traj, rubric)
+        reward = await ops.verify_and_judge(traj)
     except UnitFailed as e:
-        return TrialOutcome(trial_id=spec.trial_id, error=f"verify_and_judge: {e}")
-    return TrialOutcome(trial_id=spec.trial_id, reward=reward, info=traj.summary())
+        return TrialOutcome(trial_id=spec.trial_id, group=spec.group, error=f"verify_and_judge: {e}")
+    reward = reward.model_copy(update={"group": spec.group})
+    return TrialOutcome(trial_id=spec.trial_id, group=spec.group, reward=reward, info=traj.summary())
 
 
-def plan(config: RunConfig) -> tuple[list[str], Callable[[int], list[TrialSpec]], Weights]:
-    """The run's worlds, its trials per step and its first weights: secret-hunt, or Harbor tasks."""
-    policy = PolicyRef(model=config.policy_model, adapter=config.policy_adapter) if config.uses_llm_policy else None
-    if config.tasks is not None:
-        tasks = list(harbor.tasks_at(config.tasks))
-        return (
-            [t.name for t in tasks],
-            lambda step: harbor.trial_specs(step, tasks, config.n_samples),
-            Weights(policy=policy),
-        )
-    world_ids = config.world_ids
+def apply_group_policy(outcomes: list[TrialOutcome], policy: str) -> list[TrialOutcome]:
+    """With policy 'drop', a group with a failed trial loses its other trials too (GRPO needs whole groups)."""
+    if policy != "drop":
+        return outcomes
+    broken = {o.group: o.trial_id for o in outcomes if o.reward is None}
+    return [
+        o.model_copy(update={"reward": None, "error": f"dropped: {broken[o.group]} of its group failed"})
+        if o.reward is not None and o.group in broken
+        else o
+        for o in outcomes
+    ]
+
+
+def _shortfall(config: RunConfig, n_ok: int, n_specs: int, outcomes: list[TrialOutcome]) -> str | None:
+    if n_ok and n_ok >= config.min_success_share * n_specs:
+        return None
+    first = next((f"{o.trial_id}: {o.error}" for o in outcomes if o.error), "")
     return (
-        world_ids,
-        lambda step: hunt_env.trial_specs(step, world_ids, config.prompts_per_step, config.n_samples),
-        hunt_env.initial_weights(world_ids, policy),  # deterministic, so step-0 rollouts are reusable
+        f"{n_ok} of {n_specs} trials succeeded, below the minimum share {config.min_success_share:g}"
+        f"{'; first failure ' + first if first else ''}"
     )
 
 
 async def drive(config: RunConfig, ops: Ops) -> list[StepResult]:
     """Run every step: fan out trials, skip failed ones, train, carry the weights forward."""
-    world_ids, trial_specs, weights = plan(config)
-    worlds = await ops.build_worlds(world_ids)
+    plugins = config.plugins()
+    worlds = await ops.build_worlds(plugins.env.world_ids())
+    weights = plugins.trainer.initial_weights(plugins.env)  # deterministic, so step-0 rollouts are reusable
     history: list[StepResult] = []
     for step in range(config.n_steps):
         t0 = time.monotonic()
-        specs = trial_specs(step)
-        outcomes = await ops.fan_out(specs, weights, worlds, config.rubric_model)
+        specs = trial_specs(plugins.env, step, config.n_samples)
+        outcomes = apply_group_policy(await ops.fan_out(specs, weights, worlds), config.group_policy)
         # canonical order: a replay must hand the trainer identical inputs whatever finished first
         rewards = sorted((o.reward for o in outcomes if o.reward is not None), key=lambda r: r.trial_id)
-        result = await ops.train_step(step, weights, rewards, config.lr)
+        error = _shortfall(config, len(rewards), len(specs), outcomes)
+        if error is None:
+            result = await ops.train_step(step, weights, rewards)
+        else:  # never advance the weights on too few trials
+            n = len(rewards)
+            mean = round(sum(r.reward for r in rewards) / n, 3) if n else 0.0
+            result = StepResult(step=step, weights=weights, mean_reward=mean, mean_turns=0.0, n_trials=n)
         await ops.step_done(
             StepRecord(
                 result=result,
@@ -122,8 +180,11 @@ async def drive(config: RunConfig, ops: Ops) -> list[StepResult]:
                 failed_trials={o.trial_id: o.error for o in outcomes if o.error is not None},
                 max_turns=max((r.n_turns for r in rewards), default=0),
                 wall_s=round(time.monotonic() - t0, 3),
+                error=error,
             )
         )
+        if error is not None:
+            raise StepFailed(f"step {step} failed: {error}")
         weights = result.weights
         history.append(result)
     return history

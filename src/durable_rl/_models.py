@@ -1,4 +1,9 @@
-"""The typed records that flow between the units, the loop and the engine."""
+"""The generic records that flow between plug-ins, units, the loop and the engine.
+
+Nothing here belongs to one environment: a trajectory is turns of messages and tool calls (with
+token ids and logprobs when a model gave them) plus free metadata; a reward is a scalar plus
+named components; weights are a version plus a small value or a reference to a checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -11,98 +16,114 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class PolicyRef(_Frozen):
-    """The policy's weights, by reference."""
-
-    model: str = Field(description="Base model served by the endpoint.")
-    adapter: str | None = Field(None, description="LoRA adapter name, if the policy is an adapter.")
-    version: int = Field(0, description="Adapter version: each training step makes a new one.")
-
-    @property
-    def served_name(self) -> str:
-        """The model name a request asks for."""
-        return f"{self.adapter}-v{self.version}" if self.adapter else self.model
-
-
 class ToolCall(_Frozen):
-    """One tool call of a turn and what it returned."""
+    """One tool call of a turn and what it returned (the observation)."""
 
-    name: str
-    arguments: dict[str, Any]
-    result: str
-    error: bool = False
+    name: str = Field(description="The tool's name.")
+    arguments: dict[str, Any] = Field(description="The arguments it was called with.")
+    result: str = Field(description="What the tool returned: the observation the agent saw.")
+    error: bool = Field(False, description="True when the tool refused or failed.")
 
 
 class AgentTurn(_Frozen):
-    """One model response: its text, its tool calls, and its tokens when the server gave them."""
+    """One action of the agent: its text, its tool calls, and its tokens when a model gave them."""
 
-    content: str | None
-    tool_calls: list[ToolCall]
-    logprobs: list[float] | None = None
-    token_ids: list[int] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    content: str | None = Field(None, description="The agent's text (a model's message content).")
+    tool_calls: list[ToolCall] = Field(default_factory=list, description="Tool calls made in this turn, in order.")
+    logprobs: list[float] | None = Field(None, description="Per-token logprobs of the response, when recorded.")
+    token_ids: list[int] | None = Field(None, description="Response token ids, when recorded.")
+    prompt_token_ids: list[int] | None = Field(None, description="Prompt token ids of this turn, when recorded.")
+    prompt_tokens: int = Field(0, description="Prompt tokens billed for this turn.")
+    completion_tokens: int = Field(0, description="Completion tokens billed for this turn.")
 
 
 class Weights(_Frozen):
-    """The whole policy: small enough to travel as an input to every rollout."""
+    """The policy: a version plus either a small value or a reference to a stored checkpoint."""
 
     version: int = Field(0, description="Training steps applied to these weights.")
-    doc_prior: dict[str, list[float]] = Field(
-        default_factory=dict,
-        description="Per world id: the bandit's prior over which document holds the secret.",
-    )
-    policy: PolicyRef | None = Field(None, description="An LLM policy's weights, by reference; None for the bandit.")
+    value: dict[str, Any] = Field(default_factory=dict, description="Small weights that travel by value (JSON).")
+    checkpoint: str | None = Field(None, description="Reference to a stored checkpoint (e.g. sha256 or a URI).")
+
+
+class Prompt(_Frozen):
+    """One prompt of a step, as an environment offers it; the loop samples it n_samples times."""
+
+    prompt_id: str = Field(description="Unique within a step; with the step and sample it makes the trial id.")
+    world_id: str = Field(description="The world (task) a trial of this prompt runs in.")
+    text: str = Field(description="The prompt given to the policy.")
+    instruction: str | None = Field(None, description="Fuller task text for a model agent; defaults to the prompt.")
+    max_turns: int = Field(6, ge=1, description="Turns (actions) allowed before the agent gives up.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Anything else the environment wants to carry.")
 
 
 class TrialSpec(_Frozen):
     """What one trial is asked to do."""
 
-    trial_id: str = Field(description="Unique within a run: s{step}-p{prompt}-n{sample}.")
+    trial_id: str = Field(description="Unique within a run: s{step}-{prompt_id}-n{sample}.")
     step: int = Field(description="The training step the trial belongs to.")
     world_id: str = Field(description="The world the trial explores a private copy of.")
     prompt: str = Field(description="The task given to the policy.")
-    max_turns: int = Field(6, description="Turns (tool calls) allowed before the agent gives up.")
+    max_turns: int = Field(6, description="Turns allowed before the agent gives up.")
+    group: str = Field("", description="The GRPO group: trials of one prompt in one step share it.")
+    instruction: str | None = Field(None, description="Fuller task text for a model agent; None means the prompt.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="The prompt's metadata.")
 
 
 class World(_Frozen):
     """A built world: an immutable folder every trial copies privately."""
 
-    world_id: str = Field(description="The world's id, w0, w1, ...")
+    world_id: str = Field(description="The world's id.")
     root: str = Field(description="Absolute path of the world's read-only snapshot folder.")
     content_sha256: str = Field(description="Hash of the snapshot's files, for identity.")
 
 
-class Turn(_Frozen):
-    """One tool call of the agent: which document it read and whether the secret was there."""
+class Verdict(_Frozen):
+    """The deterministic verifier's result, computed in the trial's working copy after the agent."""
 
-    doc: int = Field(description="Index of the document read.")
-    found: bool = Field(description="True when the document held the secret's digest.")
+    score: float = Field(description="The verifier's reward.")
+    passed: bool = Field(description="Whether the verifier counts the attempt as solved.")
+    components: dict[str, float] = Field(default_factory=dict, description="Named rewards the verifier reported.")
+    details: dict[str, Any] = Field(default_factory=dict, description="What the verifier observed (answer, files).")
 
 
 class Trajectory(_Frozen):
-    """What happened in one trial."""
+    """What happened in one trial: the agent's turns, free metadata, and the verifier's verdict."""
 
     trial_id: str = Field(description="The trial's id.")
     world_id: str = Field(description="The world the trial ran in.")
     weights_version: int = Field(description="Version of the weights the policy acted with.")
-    turns: list[Turn] = Field(description="The agent's turns, in order.")
-    answer: str | None = Field(description="The digest the agent reported, None if it found none.")
-    files_written: list[str] = Field(description="Files the agent left in its working copy.")
-    agent_turns: list[AgentTurn] = Field(default_factory=list, description="An LLM policy's turns, tokens included.")
+    turns: list[AgentTurn] = Field(default_factory=list, description="The agent's turns, in order.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="What the agent or environment recorded.")
+    verdict: Verdict | None = Field(None, description="The verifier's verdict (set by the generate unit).")
 
     def summary(self) -> dict[str, object]:
         """What a per-trial table shows of it."""
-        return {"turns": len(self.turns), "answered": self.answer is not None}
+        out: dict[str, object] = {"turns": len(self.turns)}
+        if self.verdict is not None:
+            out["passed"] = self.verdict.passed
+            out.update(self.verdict.details.get("summary") or {})
+        out.update(self.metadata.get("summary") or {})  # what the agent or environment chose to show
+        return out
+
+
+class Criterion(_Frozen):
+    """One thing the judge scores, from 0 to 1."""
+
+    name: str = Field(description="The criterion's name: the key of its score.")
+    weight: float = Field(description="Its weight in the judge's score.")
+    description: str = Field("", description="What it asks, as the judge is told.")
 
 
 class Rubric(_Frozen):
-    """Judge configuration: an input, so changing it re-runs only judging and training."""
+    """Named, weighted criteria: an input, so changing it re-runs only judging and training."""
 
-    correctness_weight: float = Field(1.0, description="Weight of a verified answer.")
-    efficiency_weight: float = Field(0.3, description="Weight of finding it in few turns.")
-    tidiness_weight: float = Field(0.1, description="Weight of leaving only answer.txt behind.")
-    name: str = Field("v1", description="The rubric's name; part of the judge's seed.")
+    name: str = Field(description="The rubric's name; part of a judgment's identity and of its seed.")
+    criteria: list[Criterion] = Field(min_length=1, description="The criteria, in order.")
+    template: str | None = Field(None, description="An LLM judge's prompt, with {criteria}, {trajectory}, {schema}.")
+
+    def weight(self, name: str) -> float:
+        """The weight of criterion `name`."""
+        return next(c.weight for c in self.criteria if c.name == name)
 
 
 class JudgeAnswer(_Frozen):
@@ -110,7 +131,7 @@ class JudgeAnswer(_Frozen):
 
     score: float = Field(description="The judge's score of the trajectory against the rubric.")
     model: str = Field(description="The judge model that answered.")
-    scores: dict[str, float] = Field(default_factory=dict, description="Per-criterion scores of an LLM judge.")
+    scores: dict[str, float] = Field(default_factory=dict, description="Per-criterion scores.")
     raw: str = Field("", description="The last response body, as the endpoint sent it.")
     requests: int = Field(0, description="HTTP requests it took (retries and re-asks included).")
     prompt_tokens: int = Field(0, description="Prompt tokens billed, over all its requests.")
@@ -120,18 +141,15 @@ class JudgeAnswer(_Frozen):
 
 
 class Reward(_Frozen):
-    """The scored outcome of one trial."""
+    """The scored outcome of one trial: a scalar the trainer learns from, plus named components."""
 
     trial_id: str = Field(description="The trial's id.")
     world_id: str = Field(description="The world the trial ran in.")
-    verified_correct: bool = Field(description="The deterministic verifier's verdict.")
-    n_turns: int = Field(description="Turns the agent took.")
-    judge_score: float = Field(description="The judge's score.")
-    reward: float = Field(description="Verifier plus judge: what the trainer learns from.")
-    found_doc: int | None = Field(description="Document where the secret was found, if any.")
-    rewards: dict[str, float] = Field(
-        default_factory=dict, description="Named rewards of a verifier that reports several (reward.json)."
-    )
+    group: str = Field("", description="The trial's GRPO group.")
+    reward: float = Field(description="What the trainer learns from.")
+    components: dict[str, float] = Field(default_factory=dict, description="Named parts (verifier, judge, ...).")
+    n_turns: int = Field(0, description="Turns the agent took.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="What a trainer may need besides the scalar.")
 
 
 class StepResult(_Frozen):

@@ -18,30 +18,41 @@ from typing import Any
 
 from dbos import DBOS, DBOSConfig, SetWorkflowID, WorkflowHandleAsync
 
-from .. import _harbor as harbor
+from .._config import UnitName
 from .._identity import canonical, canonical_json, identity
-from .._loop import AnyTrajectory, StepRecord, TrialOutcome, UnitFailed, drive, run_trial
-from .._models import Reward, Rubric, StepResult, TrialSpec, Weights, World
+from .._loop import EndpointDown, StepRecord, TrialOutcome, UnitFailed, check_endpoints, drive, run_trial
+from .._models import Reward, StepResult, Trajectory, TrialSpec, Weights, World
 from .._sandbox._workspace import sweep, trials_dir_for
 from .._unit import policy_of
-from ._calls import Process, attempt_unit, current, db, kinds, run_config, start, state_folder
+from ._calls import (
+    UNITS,
+    Process,
+    attempt_unit,
+    current,
+    db,
+    identity_inputs,
+    retries,
+    run_config,
+    start,
+    state_folder,
+)
 from ._sqlite import sqlite_engine
 from ._store import Store, sqlite_path
 
-ENGINE_VERSION = "1"
+ENGINE_VERSION = "2"
 # Dispatch and result polls of the engine's queues: short, so queue latency stays out of step times.
 QUEUE_POLL_S = 0.02
 RESULT_POLL_S = 0.02
 
 
 @DBOS.workflow(name="durable_rl.unit")
-async def unit_workflow(run_id: str, unit: str, key: str, args_json: str) -> dict[str, Any]:
+async def unit_workflow(run_id: str, unit: UnitName, key: str, args_json: str) -> dict[str, Any]:
     """A unit call: reuse a recorded output of the same identity, else attempt it."""
-    kind = kinds(run_config(run_id))[unit]
-    policy = policy_of(kind.fn)
-    ident = identity(policy.name, policy.version, kind.identity_inputs(json.loads(args_json)))
+    config = run_config(run_id)
+    policy = policy_of(UNITS[unit])
+    ident = identity(policy.name, policy.version, identity_inputs(config, unit, json.loads(args_json)))
     result: dict[str, Any] = {}
-    for attempt in range(policy.retries + 1):
+    for attempt in range(retries(config, unit) + 1):
         result = await DBOS.run_step_async(
             {"name": f"attempt-{attempt}"}, attempt_unit, run_id, unit, key, ident, args_json, attempt
         )
@@ -51,14 +62,13 @@ async def unit_workflow(run_id: str, unit: str, key: str, args_json: str) -> dic
 
 
 @DBOS.workflow(name="durable_rl.trial")
-async def trial_workflow(run_id: str, spec_json: str, weights_json: str, world_json: str, rubric_json: str) -> str:
+async def trial_workflow(run_id: str, spec_json: str, weights_json: str, world_json: str) -> str:
     """One trial's pipeline as its own workflow, so its order of calls never depends on others."""
     outcome = await run_trial(
         DbosOps(run_id),
         TrialSpec.model_validate_json(spec_json),
         Weights.model_validate_json(weights_json),
         World.model_validate_json(world_json),
-        Rubric.model_validate_json(rubric_json),
     )
     return outcome.model_dump_json()
 
@@ -80,6 +90,7 @@ async def _record_step(run_id: str, record_json: str, attempt: int) -> None:
             "max_turns": record.max_turns,
             "driver_attempt": attempt,
             "failed_trials": json.dumps(record.failed_trials, sort_keys=True),
+            "error": record.error,
         },
         [
             {
@@ -87,7 +98,7 @@ async def _record_step(run_id: str, record_json: str, attempt: int) -> None:
                 "trial_id": o.trial_id,
                 "step": r.step,
                 "reward": o.reward.reward if o.reward else None,
-                "rewards": json.dumps(o.reward.rewards if o.reward else {}),
+                "rewards": json.dumps(o.reward.components if o.reward else {}),
                 "error_type": o.error_type,
                 "error_message": o.error_message,
                 "info": json.dumps(o.info, sort_keys=True),
@@ -97,6 +108,9 @@ async def _record_step(run_id: str, record_json: str, attempt: int) -> None:
     )
     for trial_id, error in sorted(record.failed_trials.items()):
         print(f"  skipped {trial_id}: {error}", file=current().out, flush=True)
+    if record.error is not None:
+        print(f"step {r.step} failed: {record.error}", file=current().out, flush=True)
+        return
     print(
         f"step {r.step}: trials {r.n_trials}/{record.n_specs} · mean reward {r.mean_reward} · "
         f"mean turns {r.mean_turns} · weights v{r.weights.version} · driver attempt {attempt}",
@@ -124,49 +138,36 @@ class DbosOps:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.config = run_config(run_id)
-        tasks = harbor.tasks_at(self.config.tasks) if self.config.tasks is not None else ()
-        self.tasks = {t.name: t for t in tasks}
 
-    async def _enqueue(self, tier: str, wid: str, unit: str, key: str, args: dict[str, Any]) -> Any:
+    async def _enqueue(self, tier: str, wid: str, unit: UnitName, key: str, args: dict[str, Any]) -> Any:
         with SetWorkflowID(f"{self.run_id}/{wid}"):
             return (
                 await current().queues[tier].enqueue_async(unit_workflow, self.run_id, unit, key, canonical_json(args))
             )
 
-    async def _unit(self, tier: str, wid: str, unit: str, key: str, args: dict[str, Any]) -> str:
+    async def _unit(self, tier: str, wid: str, unit: UnitName, key: str, args: dict[str, Any]) -> str:
         handle = await self._enqueue(tier, wid, unit, key, args)
         return _output(await handle.get_result(polling_interval_sec=RESULT_POLL_S))
 
     async def build_worlds(self, world_ids: list[str]) -> dict[str, World]:
-        handles = []
-        for w in world_ids:
-            args = canonical({"task": self.tasks[w]}) if self.tasks else {"world_id": w}
-            handles.append(await self._enqueue("sandbox", f"world/{w}", "build_world", w, args))
+        handles = [await self._enqueue("sandbox", f"world/{w}", "build_world", w, {"world_id": w}) for w in world_ids]
         worlds = {}
         for w, handle in zip(world_ids, handles, strict=True):  # awaited in order: a replay sees the same
             result = await handle.get_result(polling_interval_sec=RESULT_POLL_S)
             worlds[w] = World.model_validate_json(_output(result))
         return worlds
 
-    async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> AnyTrajectory:
-        args: dict[str, Any] = {"spec": spec, "weights": weights, "world": world}
-        if self.tasks:
-            args |= {"task": self.tasks[spec.world_id], "agent": self.config.agent}
-        text = await self._unit("sandbox", f"{spec.trial_id}/generate", "generate", spec.trial_id, canonical(args))
-        return kinds(self.config)["generate"].output.model_validate_json(text)  # type: ignore[return-value]
+    async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> Trajectory:
+        args = canonical({"spec": spec, "weights": weights, "world": world})
+        text = await self._unit("sandbox", f"{spec.trial_id}/generate", "generate", spec.trial_id, args)
+        return Trajectory.model_validate_json(text)
 
-    async def verify_and_judge(self, traj: AnyTrajectory, rubric: Rubric) -> Reward:
-        args: dict[str, Any] = (
-            {"traj": traj}
-            if self.tasks
-            else {"traj": traj, "rubric": rubric, "judge_model": self.config.judge_model_name}
-        )
-        text = await self._unit("judge", f"{traj.trial_id}/judge", "verify_and_judge", traj.trial_id, canonical(args))
+    async def verify_and_judge(self, traj: Trajectory) -> Reward:
+        args = canonical({"traj": traj})
+        text = await self._unit("judge", f"{traj.trial_id}/judge", "verify_and_judge", traj.trial_id, args)
         return Reward.model_validate_json(text)
 
-    async def fan_out(
-        self, specs: list[TrialSpec], weights: Weights, worlds: dict[str, World], rubric: Rubric
-    ) -> list[TrialOutcome]:
+    async def fan_out(self, specs: list[TrialSpec], weights: Weights, worlds: dict[str, World]) -> list[TrialOutcome]:
         handles = []
         for spec in specs:  # started in spec order, so every replay assigns the same ids
             with SetWorkflowID(f"{self.run_id}/{spec.trial_id}"):
@@ -177,7 +178,6 @@ class DbosOps:
                         spec.model_dump_json(),
                         weights.model_dump_json(),
                         worlds[spec.world_id].model_dump_json(),
-                        rubric.model_dump_json(),
                     )
                 )
         # all trials run at once; collecting them in spec order adds no wait
@@ -185,9 +185,9 @@ class DbosOps:
             TrialOutcome.model_validate_json(await h.get_result(polling_interval_sec=RESULT_POLL_S)) for h in handles
         ]
 
-    async def train_step(self, step: int, weights: Weights, rewards: list[Reward], lr: float) -> StepResult:
-        args = {"step": step, "weights": weights, "rewards": rewards, "lr": lr}
-        text = await self._unit("trainer", f"s{step}/train", "train_step", f"s{step}", canonical(args))
+    async def train_step(self, step: int, weights: Weights, rewards: list[Reward]) -> StepResult:
+        args = canonical({"step": step, "weights": weights, "rewards": rewards})
+        text = await self._unit("trainer", f"s{step}/train", "train_step", f"s{step}", args)
         return StepResult.model_validate_json(text)
 
     async def step_done(self, record: StepRecord) -> None:
@@ -199,7 +199,7 @@ class DbosOps:
             record.model_dump_json(),
             proc.attempt,
         )
-        if proc.attempt == 1 and record.result.step == run_config(self.run_id).crash_driver_at_step:
+        if proc.attempt == 1 and record.result.step == self.config.faults.crash_driver_at_step:
             print(f"crashing the driver after step {record.result.step} (--crash-driver-at-step)", file=sys.stderr)
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)  # as from kill -9: no cleanup, no flush
@@ -224,6 +224,9 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
     if sqlite_path(url) is not None:
         config["system_database_engine"] = sqlite_engine(url)
     process = start(Process(store=store, url=url, attempt=attempt, out=out))
+    problems = await check_endpoints(run_config(run_id).plugins())
+    if problems:  # before any step: a dead endpoint fails the run now, not every trial one by one
+        raise EndpointDown("; ".join(problems))
     swept = sweep(trials_dir_for(state_folder()))  # working copies a killed driver left, mounts included
     if swept:
         print(f"removed {swept} working copies left by a dead process", file=sys.stderr)

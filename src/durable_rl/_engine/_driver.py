@@ -12,8 +12,7 @@ import os
 import sys
 
 from ._store import Store
-
-EXIT_RUN_FAILED = 3
+from ._supervisor import EXIT_RUN_FAILED
 
 
 def main(argv: list[str]) -> int:

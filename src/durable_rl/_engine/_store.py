@@ -59,6 +59,7 @@ steps = sa.Table(
     sa.Column("max_turns", sa.Integer, nullable=False),
     sa.Column("driver_attempt", sa.Integer, nullable=False),
     sa.Column("failed_trials", sa.Text, nullable=False),
+    sa.Column("error", sa.Text),
 )
 trials = sa.Table(
     "drl_trials",

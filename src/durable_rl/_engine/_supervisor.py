@@ -7,7 +7,7 @@ import subprocess
 import sys
 from typing import IO
 
-from ._driver import EXIT_RUN_FAILED
+EXIT_RUN_FAILED = 3  # the driver's exit code for a run that failed for good (not a crash)
 
 
 def supervise(run_id: str, url: str, driver_retries: int, step_lines: IO[str]) -> bool:

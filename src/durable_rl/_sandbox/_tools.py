@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from pathlib import Path, PurePosixPath
 
 from ._process import CommandResult, Limits, run_command
@@ -77,3 +78,18 @@ class SandboxTools:
     async def run(self, command: str, *, env: dict[str, str] | None = None) -> CommandResult:
         """Run a shell command in the working copy, under the trial's limits."""
         return await run_command(command, cwd=self.root, limits=self.limits, uid=self.uid, env=env)
+
+
+def read_untrusted(path: Path, max_bytes: int) -> str | None:
+    """A file a trial wrote, read safely: None unless it is a regular file reached without a
+    symlink (no FIFO, device or link out); at most `max_bytes` bytes, decoded leniently."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, max_bytes).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)

@@ -1,0 +1,205 @@
+"""The extension points: Environment, Agent, Judge and Trainer, and what a unit hands them.
+
+Each plug-in is a class with a `Settings` model (pydantic) and a constructor that takes an
+instance of it. The run's config names each plug-in by `kind` (a built-in name, `module:attr`,
+or an installed entry point) plus its settings, so a resumed or re-scored run rebuilds the same
+plug-ins. The units and the engine call these methods and never name a plug-in.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.config import JsonDict
+
+from ._models import JudgeAnswer, Prompt, Reward, Rubric, Trajectory, TrialSpec, Verdict, Weights, World
+from ._sandbox._process import CommandResult, Limits, run_command
+from ._sandbox._tools import SandboxTools
+
+
+class PluginSettings(BaseModel):
+    """Base of every plug-in's settings: frozen, no unknown fields.
+
+    A field declared with `json_schema_extra={"volatile": True}` (a latency, a timeout) is left
+    out of every identity: changing it never invalidates recorded work.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+VOLATILE: JsonDict = {"volatile": True}  # `json_schema_extra=VOLATILE`: a setting outside every identity
+
+
+class NoSettings(PluginSettings):
+    """For a plug-in that takes none."""
+
+
+def identity_settings(settings: BaseModel) -> dict[str, Any]:
+    """The settings that are part of a unit's identity (every field but the volatile ones)."""
+    volatile = {
+        name
+        for name, f in type(settings).model_fields.items()
+        if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("volatile")
+    }
+    return settings.model_dump(mode="json", exclude=volatile)
+
+
+@dataclass
+class Sandbox:
+    """One trial's private working copy, and how to act in it.
+
+    `tools` are the agent's (paths confined to the copy); `aux` is a private folder beside the
+    copy, outside the agent's view, where an environment keeps tests, solutions and logs; `env`
+    holds variables every command of the trial gets (the environment's `setup` may add some).
+    """
+
+    path: Path
+    aux: Path
+    world: World
+    tools: SandboxTools
+    limits: Limits
+    uid: int | None
+    env: dict[str, str] = field(default_factory=dict)
+
+    async def run(
+        self, command: str, *, env: dict[str, str] | None = None, limits: Limits | None = None
+    ) -> CommandResult:
+        """Run a shell command in the working copy, under the trial's limits, uid and variables."""
+        return await run_command(
+            command, cwd=self.path, limits=limits or self.limits, uid=self.uid, env={**self.env, **(env or {})}
+        )
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """What a trial's agent may use besides its inputs: never engine globals."""
+
+    run_id: str
+    attempt: int
+    environment: Environment
+    state_dir: Path
+
+
+@dataclass(frozen=True)
+class JudgeContext:
+    """What a judgment may use besides its inputs; `observer` is told of every billed request."""
+
+    run_id: str
+    attempt: int
+    key: str
+    observer: Any = None
+
+
+class Plugin:
+    """A configurable piece of a run: `kind` names it, `Settings` types its settings."""
+
+    kind: ClassVar[str] = ""
+    version: ClassVar[str] = "1"  # bump it when a change of the code should invalidate recorded work
+    Settings: ClassVar[type[PluginSettings]] = NoSettings
+
+    def __init__(self, settings: PluginSettings | None = None) -> None:
+        self.settings = settings if settings is not None else self.Settings()
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        """(base URL, API-key variable) of every HTTP endpoint this plug-in calls, checked before the first step."""
+        return []
+
+
+class Environment(Plugin, ABC):
+    """Worlds (or tasks), the prompts of each step, and how an attempt is verified and rewarded."""
+
+    default_agent: ClassVar[str] = ""
+    default_judge: ClassVar[str] = "none"
+    default_trainer: ClassVar[str] = "version"
+
+    @abstractmethod
+    def world_ids(self) -> list[str]:
+        """The worlds (or tasks) of the run, in order."""
+
+    def identity(self) -> dict[str, Any]:
+        """What every unit's identity takes of this environment: by default its kind, version and settings."""
+        return {"kind": self.kind, "version": self.version, "settings": identity_settings(self.settings)}
+
+    def world_inputs(self, world_id: str) -> dict[str, Any]:
+        """What a world's content is made of: its identity, so an unchanged world is built once."""
+        return {"world_id": world_id, "settings": identity_settings(self.settings)}
+
+    @abstractmethod
+    def write_world(self, world_id: str, dest: Path) -> None:
+        """Write the world's files into `dest` (empty); they become a read-only snapshot."""
+
+    @abstractmethod
+    def prompts(self, step: int) -> list[Prompt]:
+        """The prompts of step `step`; the loop runs each n_samples times."""
+
+    def trial_inputs(self, spec: TrialSpec) -> dict[str, Any]:
+        """What else a trial's outcome depends on besides its spec, weights, world and agent (e.g. hidden tests)."""
+        return {}
+
+    def trial_timeout(self, spec: TrialSpec) -> float | None:
+        """Seconds one attempt of this trial may run, when the environment knows better than the run's default."""
+        return None
+
+    async def setup(self, spec: TrialSpec, sandbox: Sandbox) -> None:
+        """Prepare the trial's copy before the agent acts (e.g. log folders)."""
+
+    @abstractmethod
+    async def verify(self, spec: TrialSpec, traj: Trajectory, sandbox: Sandbox) -> Verdict:
+        """The deterministic verifier, in the trial's copy after the agent; raise when it cannot decide."""
+
+    def reward(self, traj: Trajectory, judged: JudgeAnswer | None) -> Reward:
+        """The trainer's reward: the verifier's score plus the judge's, when there is a judge."""
+        verdict = traj.verdict or Verdict(score=0.0, passed=False)
+        components = {"verifier": verdict.score, **{f"verifier.{k}": v for k, v in verdict.components.items()}}
+        total = verdict.score
+        if judged is not None:
+            components["judge"] = judged.score
+            components.update({f"judge.{k}": v for k, v in judged.scores.items()})
+            total += judged.score
+        return Reward(
+            trial_id=traj.trial_id,
+            world_id=traj.world_id,
+            reward=round(total, 6),
+            components=components,
+            n_turns=len(traj.turns),
+        )
+
+
+class Agent(Plugin, ABC):
+    """Acts in a trial's sandbox, through its tools, with the policy's weights."""
+
+    @abstractmethod
+    async def run(self, spec: TrialSpec, weights: Weights, sandbox: Sandbox, ctx: TrialContext) -> Trajectory:
+        """One attempt at the trial; the same inputs should give the same trajectory."""
+
+
+class Judge(Plugin, ABC):
+    """Scores a trajectory against a rubric; `model` is part of every judgment's identity."""
+
+    @property
+    @abstractmethod
+    def model(self) -> str:
+        """The model that judges: part of every judgment's identity."""
+
+    def check_rubric(self, rubric: Rubric) -> None:
+        """Raise ValueError when this judge cannot score `rubric` (checked before a run starts)."""
+
+    @abstractmethod
+    async def judge(self, traj: Trajectory, rubric: Rubric, ctx: JudgeContext) -> JudgeAnswer:
+        """Score `traj`; an engine records the answer the moment it returns and never asks twice."""
+
+
+class Trainer(Plugin, ABC):
+    """A pure training step: weights (or a checkpoint reference) and rewards in, new weights out."""
+
+    def initial_weights(self, environment: Environment) -> Weights:
+        """The weights of step 0; deterministic, so step-0 rollouts are reusable across runs."""
+        return Weights()
+
+    @abstractmethod
+    async def step(self, step: int, weights: Weights, rewards: list[Reward]) -> Weights:
+        """One update from rewards sorted by trial id; re-running it yields the identical update."""

@@ -1,0 +1,111 @@
+"""Plug-ins by name: a built-in's name, `module:attr`, or an installed package's entry point.
+
+Entry-point groups: `durable_rl.environments`, `durable_rl.agents`, `durable_rl.judges`,
+`durable_rl.trainers` (an entry point `name = "pkg.mod:Class"` makes `--env name` work).
+Built-ins are named here as import paths, so nothing that imports the registry imports them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from importlib.metadata import entry_points
+from typing import Any, Literal
+
+from ._errors import UserError
+from ._protocols import Agent, Environment, Judge, Plugin, Trainer
+
+Category = Literal["env", "agent", "judge", "trainer"]
+
+BASES: dict[Category, type[Plugin]] = {"env": Environment, "agent": Agent, "judge": Judge, "trainer": Trainer}
+GROUPS: dict[Category, str] = {
+    "env": "durable_rl.environments",
+    "agent": "durable_rl.agents",
+    "judge": "durable_rl.judges",
+    "trainer": "durable_rl.trainers",
+}
+BUILTINS: dict[Category, dict[str, str]] = {
+    "env": {"secret-hunt": "durable_rl._secret_hunt:SecretHunt", "harbor": "durable_rl._harbor:Harbor"},
+    "agent": {
+        "bandit": "durable_rl._secret_hunt:BanditAgent",
+        "llm": "durable_rl._llm_policy:LLMAgent",
+        "oracle": "durable_rl._harbor:OracleAgent",
+        "nop": "durable_rl._harbor:NopAgent",
+    },
+    "judge": {
+        "simulated": "durable_rl._secret_hunt:SimulatedJudge",
+        "llm": "durable_rl._llm_judge:LLMJudge",
+    },
+    "trainer": {"bandit": "durable_rl._secret_hunt:BanditTrainer", "version": "durable_rl._trainers:VersionTrainer"},
+}
+
+
+class PluginError(UserError):
+    """A plug-in that cannot be found, imported or configured."""
+
+
+def add_paths(paths: list[str]) -> None:
+    """Make folders importable, so `module:attr` plug-ins found from the CLI's folder are found by the driver too."""
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def _import(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{target!r} is not module:attr")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # a user's module may fail in any way; say which and how
+        raise ValueError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _entry_point(category: Category, name: str) -> str | None:
+    for ep in entry_points(group=GROUPS[category]):
+        if ep.name == name:
+            return str(ep.value)
+    return None
+
+
+NO_JUDGE = "none"  # the judge kind of a run whose reward is the verifier's alone
+
+
+def known(category: Category) -> list[str]:
+    """Names a user may pass: the built-ins and installed entry points."""
+    extra = [NO_JUDGE] if category == "judge" else []
+    return sorted({*BUILTINS[category], *extra, *(ep.name for ep in entry_points(group=GROUPS[category]))})
+
+
+def resolve(category: Category, kind: str) -> type[Plugin]:
+    """The plug-in class `kind` names in `category`, or a PluginError that says why not."""
+    target = BUILTINS[category].get(kind) or _entry_point(category, kind) or (kind if ":" in kind else None)
+    if target is None:
+        raise PluginError(f"--{category} {kind!r}: unknown; use one of {', '.join(known(category))} or module:attr")
+    try:
+        cls = _import(target)
+    except ValueError as e:
+        raise PluginError(f"--{category} {kind!r}: {e}") from None
+    base = BASES[category]
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise PluginError(f"--{category} {kind!r}: {target} is not a durable_rl.{base.__name__} subclass")
+    return cls
+
+
+def build(category: Category, kind: str, settings: dict[str, Any]) -> Plugin:
+    """An instance of the plug-in, configured; a PluginError names the setting that is wrong."""
+    cls = resolve(category, kind)
+    from pydantic import ValidationError
+
+    try:
+        return cls(cls.Settings.model_validate(settings))
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "settings"
+        raise PluginError(f"{category}.{where}: {err['msg'].removeprefix('Value error, ')} ({kind})") from None

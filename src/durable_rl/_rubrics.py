@@ -1,0 +1,45 @@
+"""Rubrics from files: TOML or YAML, a name and a list of weighted criteria.
+
+Built-in rubrics ship as files beside this module (`rubrics/*.toml`) and are found by name.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ._errors import UserError
+from ._models import Rubric
+
+BUILTIN_DIR = Path(__file__).parent / "rubrics"
+
+
+def builtin_rubrics() -> list[str]:
+    """Names of the rubrics that ship with durable-rl."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+def load_rubric(name_or_path: str) -> Rubric:
+    """A built-in rubric by name, or a rubric file (.toml, .yaml, .yml); UserError says what is wrong."""
+    path = BUILTIN_DIR / f"{name_or_path}.toml"
+    if "/" in name_or_path or not path.is_file():
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise UserError(
+                f"--rubric {name_or_path!r}: unknown rubric; built-in: {', '.join(builtin_rubrics())}, "
+                "or the path of a .toml or .yaml file"
+            )
+    try:
+        text = path.read_text(encoding="utf-8")
+        data: Any = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else tomllib.loads(text)
+        return Rubric.model_validate(data)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise UserError(f"--rubric {path}: cannot read it: {str(e).splitlines()[0]}") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "rubric"
+        raise UserError(f"--rubric {path}: {where}: {err['msg']}") from None
