@@ -9,11 +9,14 @@ SRC = Path(durable_rl.__file__).parent
 
 
 PUBLIC = """
-    AgentTurn CommandResult Criterion Endpoint HarborTask Judge JudgeAnswer JudgeAnswerInvalid JudgeRubric LLMJudge
-    LLMUnavailable Limits Ops PolicyRef RUBRICS Reward Rubric RunConfig SandboxSettings SandboxTools
-    ScriptedLLMServer SimulatedJudge StepRecord StepResult TaskTrajectory ToolError Trajectory TrialOutcome
-    TrialSpec Turn UnitFailed UnitPolicy Weights World __version__ agent_loop build_world drive generate identity
-    load_tasks policy_of publish_snapshot run_command run_trial train_step unit verify_and_judge working_copy
+    __version__ Agent agent_loop AgentTurn as_config build_world CommandResult Criterion drive Endpoint
+    Environment Faults generate identity InjectedFailure Judge JudgeAnswer JudgeAnswerInvalid JudgeContext
+    Limits LLMAgent LLMJudge LLMUnavailable load_rubric NoSettings open_run Ops PluginChoice Plugins
+    PluginSettings policy_of Prompt publish_snapshot read_untrusted rescore resume Reward Rubric Run run_command
+    run_trial RunConfig Sandbox SandboxSettings SandboxTools ScriptedLLMServer StepFailed StepRecord StepResult
+    ToolCall ToolError train train_step Trainer Trajectory trial_specs TrialContext TrialOutcome TrialSpec unit
+    UnitFailed UnitOverride UnitPolicy UserError Verdict verify_and_judge VersionTrainer VOLATILE Weights
+    working_copy World
 """.split()
 
 
@@ -27,33 +30,48 @@ def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            names.add(("." * node.level) + (node.module or ""))
+            module = ("." * node.level) + (node.module or "")
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)  # `from .. import _harbor` names _harbor
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
     return names
 
 
+# Plug-ins: environments and the agents, judges and trainers that ship with them.
+ENVIRONMENTS = {"_secret_hunt", "_harbor"}
+PLUGINS = ENVIRONMENTS | {"_llm_policy", "_llm_judge", "_trainers"}
+# The core that plug-ins build on; it must not import them.
+CORE = ["_models.py", "_identity.py", "_unit.py", "_protocols.py", "_registry.py", "_faults.py", "_rubrics.py"]
+
+
+def _names(imported: set[str]) -> set[str]:
+    return {part for i in imported for part in i.lstrip(".").split(".")}
+
+
 def test_units_never_import_the_engine_the_cli_or_the_report() -> None:
-    units = [
-        "_units.py",
-        "_secret_hunt.py",
-        "_harbor.py",
-        "_llm.py",
-        "_llm_judge.py",
-        "_llm_policy.py",
-        "_models.py",
-        "_unit.py",
-        "_identity.py",
-        "_loop.py",
-        "_sandbox/_process.py",
-        "_sandbox/_tools.py",
-        "_sandbox/_workspace.py",
-    ]
-    for module in units:
-        imported = _imports(SRC / module)
-        assert not {i for i in imported if "engine" in i or "_cli" in i or "_report" in i or i.startswith("dbos")}, (
-            module
-        )
+    for path in [*SRC.glob("_*.py"), *(SRC / "_sandbox").glob("*.py")]:
+        if path.name in ("_cli.py", "_report.py", "_api.py", "__init__.py", "__main__.py"):
+            continue
+        found = _names(_imports(path)) & {"_engine", "_cli", "_report", "_api", "dbos"}
+        assert not found, (path.name, found)
+
+
+def test_the_loop_the_units_and_the_engine_import_no_plugin() -> None:
+    modules = [SRC / "_loop.py", SRC / "_units.py", SRC / "_config.py", *(SRC / "_engine").glob("*.py")]
+    for path in modules:
+        found = _names(_imports(path)) & PLUGINS
+        assert not found, (path.name, found)
+    for name in CORE:
+        assert not _names(_imports(SRC / name)) & PLUGINS, name
+
+
+def test_plugins_are_found_by_name_not_imported_by_the_registry() -> None:
+    from durable_rl._registry import BUILTINS, resolve
+
+    for category, names in BUILTINS.items():
+        for name in names:
+            assert resolve(category, name).kind == name  # type: ignore[arg-type]
 
 
 def test_only_the_engine_imports_dbos() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ._config import RunConfig
-from ._config_file import PLUGIN_SECTIONS, make_config, read_config_file
+from ._config_file import PLUGIN_SECTIONS, make_config, read_config_file, uses_module_plugins
 from ._engine._store import RunRow, Store, check_url, default_url
 from ._engine._supervisor import supervise
 from ._errors import UserError
@@ -80,8 +80,8 @@ def as_config(config: RunConfig | Mapping[str, Any] | str | Path | None = None, 
             paths.append(root)
         elif isinstance(value, str):
             data[section] = {"kind": value, "settings": {}}
-        if isinstance(data.get(section), dict) and ":" in (data[section].get("kind") or ""):
-            paths.append(str(Path.cwd()))
+    if uses_module_plugins(data):
+        paths.append(str(Path.cwd()))
     if isinstance(data.get("rubric"), str):
         data["rubric"] = load_rubric(data["rubric"]).model_dump()
     data["python_path"] = list(dict.fromkeys(str(Path(p).resolve()) for p in paths))

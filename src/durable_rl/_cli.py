@@ -15,7 +15,7 @@ from rich.table import Table
 
 from ._api import record_run
 from ._config import RunConfig
-from ._config_file import make_config, parse_value, read_config_file, set_value
+from ._config_file import make_config, parse_value, read_config_file, set_value, uses_module_plugins
 from ._engine._store import Store, default_url, state_dir
 from ._engine._supervisor import supervise
 from ._errors import UserError
@@ -174,7 +174,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-_FLAG_OF = {key: _flag(name) for name, key in SHORTCUTS.items()} | {name: _flag(name) for name in TOP_LEVEL}
+_FLAG_OF = (
+    {key: _flag(name) for name, key in SHORTCUTS.items()}
+    | {name: _flag(name) for name in TOP_LEVEL}
+    | {"env.path": "--tasks"}
+)
 
 
 def _build_config(
@@ -200,11 +204,12 @@ def _build_config(
             if not eq:
                 raise UserError(f"--set {item!r}: expected KEY=VALUE")
             set_value(data, key.strip(), parse_value(text))
-        if any(":" in (section.get("kind") or "") for section in data.values() if isinstance(section, dict)):
-            data.setdefault("python_path", [str(Path.cwd())])  # the driver imports module:attr from here too
+        if uses_module_plugins(data):  # the driver imports module:attr plug-ins from here too
+            data["python_path"] = list(dict.fromkeys([*data.get("python_path", []), str(Path.cwd())]))
         return make_config(data, _FLAG_OF)
     except UserError as e:
-        _fail(str(e))
+        key, sep, rest = str(e).partition(":")
+        _fail(f"{_FLAG_OF.get(key, key)}{sep}{rest}")  # a plug-in setting given by a flag is named by its flag
 
 
 _JSON = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout; logs go to stderr.")]

@@ -47,7 +47,7 @@ class RunConfig(_Frozen):
     agent: PluginChoice = Field(description="The agent (the policy acting in a trial); default: the environment's.")
     judge: PluginChoice = Field(description="The judge, or kind 'none'; default: the environment's.")
     trainer: PluginChoice = Field(description="The trainer; default: the environment's.")
-    rubric: Rubric = Field(description="The judge's rubric (a built-in name or a TOML/YAML file when given).")
+    rubric: Rubric = Field(description="The judge's rubric (a name or a TOML/YAML file); default: the environment's.")
     units: dict[UnitName, UnitOverride] = Field(
         default_factory=dict, description="Per unit name: retries and timeout overriding its @unit declaration."
     )
@@ -91,7 +91,7 @@ class RunConfig(_Frozen):
             if not choice.kind:
                 raise UserError(f"--{category}: the environment {env.kind!r} has no default {category}; name one")
             data[category] = _normalized(category, choice)
-        rubric = data.get("rubric", "v1")
+        rubric = data.get("rubric") or env_cls.default_rubric
         data["rubric"] = load_rubric(rubric) if isinstance(rubric, str) else rubric
         return data
 

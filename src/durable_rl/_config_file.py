@@ -46,7 +46,20 @@ def read_config_file(path: Path) -> dict[str, Any]:
             settings = dict(raw.get("settings") or {})
             settings.update({k: v for k, v in raw.items() if k not in ("kind", "settings")})
             data[section] = {"kind": raw.get("kind", ""), "settings": settings}
+    # paths in a config file are relative to its folder, and its module:attr plug-ins import from there
+    here = path.parent.resolve()
+    rubric = data.get("rubric")
+    if isinstance(rubric, str) and (here / rubric).is_file():
+        data["rubric"] = str(here / rubric)
+    data["python_path"] = [str(here / p) for p in data.get("python_path") or []]
+    if uses_module_plugins(data):
+        data["python_path"].append(str(here))
     return data
+
+
+def uses_module_plugins(data: dict[str, Any]) -> bool:
+    """Whether any plug-in is named by module:attr (and so must be importable by the driver)."""
+    return any(":" in str((data.get(s) or {}).get("kind") or "") for s in PLUGIN_SECTIONS)
 
 
 def parse_value(text: str) -> Any:

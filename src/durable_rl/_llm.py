@@ -40,9 +40,24 @@ def note_failure(what: str) -> None:
 
 
 def root_cause(error: BaseException) -> str:
-    """The innermost cause of an exception, as 'Type: message' (e.g. ConnectError: ... refused)."""
-    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    """The innermost cause of an exception, as 'Type: message' (e.g. ConnectionRefusedError: ...).
+
+    A wrapper that holds its cause as its one argument is looked through (httpcore re-raises its
+    ConnectError `from None`, which would hide the refusal behind 'All connection attempts
+    failed'), and so is the first error of a group (one per address tried)."""
+    seen: set[int] = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        if error.__cause__ is not None:
+            error = error.__cause__
+        elif error.__context__ is not None and not error.__suppress_context__:
+            error = error.__context__
+        elif len(error.args) == 1 and isinstance(error.args[0], BaseException):
+            error = error.args[0]
+        elif isinstance(error, BaseExceptionGroup) and error.exceptions:
+            error = error.exceptions[0]
+        else:
+            break
     return f"{type(error).__name__}: {error}"
 
 

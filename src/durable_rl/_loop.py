@@ -147,10 +147,9 @@ def _shortfall(config: RunConfig, n_ok: int, n_specs: int, outcomes: list[TrialO
     if n_ok and n_ok >= config.min_success_share * n_specs:
         return None
     first = next((f"{o.trial_id}: {o.error}" for o in outcomes if o.error), "")
-    return (
-        f"{n_ok} of {n_specs} trials succeeded, below the minimum share {config.min_success_share:g}"
-        f"{'; first failure ' + first if first else ''}"
-    )
+    # with a minimum share of 0, no success is still too few: never train on nothing
+    why = f"below the minimum share {config.min_success_share:g}" if n_ok else "none to train on"
+    return f"{n_ok} of {n_specs} trials succeeded, {why}{'; first failure ' + first if first else ''}"
 
 
 async def drive(config: RunConfig, ops: Ops) -> list[StepResult]:

@@ -115,6 +115,7 @@ class Environment(Plugin, ABC):
     default_agent: ClassVar[str] = ""
     default_judge: ClassVar[str] = "none"
     default_trainer: ClassVar[str] = "version"
+    default_rubric: ClassVar[str] = "generic"  # a built-in rubric's name or a rubric file's path
 
     @abstractmethod
     def world_ids(self) -> list[str]:

@@ -89,6 +89,7 @@ class SecretHunt(Environment):
     default_agent = "bandit"
     default_judge = "simulated"
     default_trainer = "bandit"
+    default_rubric = "v1"
     settings: SecretHuntSettings
 
     def world_ids(self) -> list[str]:
