@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import FAST, Cli
+from conftest import CLEAN_V1, FAST, Cli
 
 BAD_TRAIN = [
     (["--flaky-trial-rate", "1.5"], "--flaky-trial-rate"),
@@ -138,7 +138,9 @@ def test_json_mode_prints_only_json_on_stdout(cli: Cli) -> None:
         "mean_turns",
         "weights_version",
         "wall_s",
+        "error",  # None for a step that trained, the reason for one that failed
     }
+    assert out["steps"][0]["error"] is None
     assert set(out["counters"]) == {
         "trials_ok",
         "trials_failed",
@@ -153,3 +155,18 @@ def test_json_mode_prints_only_json_on_stdout(cli: Cli) -> None:
         "driver_attempts",
     }
     assert "step 0:" in proc.stderr
+
+
+def test_a_config_file_with_flags_on_top(cli: Cli) -> None:
+    (cli.cwd / "run.yaml").write_text(
+        "n_steps: 2\nenv: {kind: secret-hunt, n_worlds: 3}\nagent: {kind: bandit, turn_latency: 0.02}\n"
+        "judge: {kind: simulated, settings: {latency: 0.05}}\ntrainer: {kind: bandit, lr: 2.0}\n"
+        "faults: {flaky_trial_rate: 0.25}\n"
+    )
+    out = cli.json("train", "--config", "run.yaml", "--n-steps", "3", "--run-id", "c")
+    assert [(s["mean_reward"], s["mean_turns"]) for s in out["steps"]] == [(r, t) for r, t, _, _ in CLEAN_V1]
+    assert out["counters"]["generate_executed"] == 24  # the file's faults applied, then retried away
+    recorded = cli.json("runs")[0]
+    assert (recorded["env"], recorded["rubric"]) == ("secret-hunt", "v1")
+    proc = cli.run("train", "--config", "run.yaml", "--set", "trainer.lr=-1")
+    assert proc.returncode == 2 and "trainer.lr" in _one_clean_line(proc.stderr)

@@ -121,7 +121,7 @@ def test_a_plugin_that_cannot_be_imported_is_refused_before_anything_is_written(
         (["--judge", "nope"], "unknown"),
         (["--set", "env.no_such_setting=1"], "has no setting 'no_such_setting'"),
         (["--tasks", str(tmp_path), "--turn-latency", "0.1"], "--turn-latency: the agent 'oracle' has no setting"),
-        (["--tasks", str(tmp_path)], "--tasks: "),
+        (["--tasks", str(tmp_path)], "--tasks (env.path): "),
         (["--config", str(tmp_path / "missing.toml")], "--config"),
     ):
         proc = cli.run("train", *args)
@@ -129,3 +129,11 @@ def test_a_plugin_that_cannot_be_imported_is_refused_before_anything_is_written(
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and says in lines[0] and "Traceback" not in proc.stderr, (args, proc.stderr)
     assert not (tmp_path / ".durable-rl").exists()
+
+
+def test_the_readme_minimal_environment_trains(tmp_path: Path) -> None:
+    cli = Cli(EXAMPLE.parent / "minimal", f"sqlite:///{tmp_path / 'state.sqlite'}")
+    out = cli.json("train", "--env", "greet:Greet", "--n-steps", "1", "--run-id", "g")
+    greetings = [t["reward"] for t in cli.json("show", "g", "--trials")]
+    assert out["steps"][0]["n_trials"] == 8 and out["counters"]["judge_calls"] == 0
+    assert set(greetings) == {0.0, 1.0} and out["steps"][0]["mean_reward"] == round(sum(greetings) / 8, 3)

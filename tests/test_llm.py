@@ -10,26 +10,28 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST, FAULTS, Cli, figures
+from conftest import FAULTS, Cli, figures
 
-from durable_rl import RUBRICS, Trajectory
+from durable_rl import AgentTurn, JudgeContext, ToolCall, Trajectory, Verdict, load_rubric
 from durable_rl._engine._store import Store
 from durable_rl._fake_llm import ScriptedLLMServer
 from durable_rl._llm import Endpoint, LLMUnavailable, _Limiter, chat
-from durable_rl._llm_judge import JudgeAnswerInvalid, LLMJudge
+from durable_rl._llm_judge import JudgeAnswerInvalid, LLMJudge, LLMJudgeSettings
 
 GOOD = json.dumps({"scores": {"correctness": 1.0, "efficiency": 0.5, "tidiness": 0.0}})
 TRAJ = Trajectory(
     trial_id="s0-p0-n0",
     world_id="w0",
     weights_version=0,
-    turns=[{"doc": 2, "found": True}],
-    answer="abc",
-    files_written=["answer.txt"],
+    turns=[AgentTurn(tool_calls=[ToolCall(name="read_file", arguments={"path": "docs/doc_2.txt"}, result="found")])],
+    verdict=Verdict(score=1.0, passed=True, details={"answer": "abc", "files_written": ["answer.txt"]}),
 )
+CTX = JudgeContext(run_id="r", attempt=1, key="s0-p0-n0")
+TASKS = Path(__file__).resolve().parents[1] / "examples" / "harbor-tasks"
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -41,6 +43,10 @@ def server() -> Iterator[ScriptedLLMServer]:
 
 def _endpoint(server: ScriptedLLMServer, **kw: Any) -> Endpoint:
     return Endpoint(model="grader", base_url=server.base_url, **{"backoff_s": 0.05, "request_timeout_s": 1.0, **kw})
+
+
+def _judge(server: ScriptedLLMServer, **kw: Any) -> LLMJudge:
+    return LLMJudge(LLMJudgeSettings(model="grader", base_url=server.base_url, request_timeout_s=1.0, **kw))
 
 
 def test_every_fault_is_retried_until_an_answer(server: ScriptedLLMServer) -> None:
@@ -103,7 +109,8 @@ def test_logprobs_are_kept_when_the_server_gives_them(server: ScriptedLLMServer)
 
 
 def test_the_judge_combines_criteria_by_weight_and_records_usage(server: ScriptedLLMServer) -> None:
-    answer = asyncio.run(LLMJudge(_endpoint(server), price_per_mtok=(2.0, 10.0)).judge(TRAJ, RUBRICS["v2-efficiency"]))
+    judge = _judge(server, prices={"grader": (2.0, 10.0)})
+    answer = asyncio.run(judge.judge(TRAJ, load_rubric("v2-efficiency"), CTX))
     assert answer.scores == {"correctness": 1.0, "efficiency": 0.5, "tidiness": 0.0}
     assert answer.score == 1.5 and answer.model == "grader" and answer.requests == 1
     assert answer.raw and answer.prompt_tokens > 0
@@ -125,11 +132,11 @@ def test_the_judge_combines_criteria_by_weight_and_records_usage(server: Scripte
 )
 def test_a_malformed_answer_is_asked_again_then_refused(server: ScriptedLLMServer, bad: str) -> None:
     server.script += [{"reply": bad}, {"reply": GOOD}]
-    answer = asyncio.run(LLMJudge(_endpoint(server)).judge(TRAJ, RUBRICS["v1"]))
+    answer = asyncio.run(_judge(server).judge(TRAJ, load_rubric("v1"), CTX))
     assert answer.requests == 2 and server.requests[1]["messages"][-1]["content"].startswith("That answer was invalid")
     server.script += [{"reply": bad}] * 3
     with pytest.raises(JudgeAnswerInvalid, match="without valid scores"):
-        asyncio.run(LLMJudge(_endpoint(server), max_reasks=2).judge(TRAJ, RUBRICS["v1"]))
+        asyncio.run(_judge(server, max_reasks=2).judge(TRAJ, load_rubric("v1"), CTX))
     assert server.count() == 2 + 3
 
 
@@ -143,7 +150,8 @@ def _llm_args(server: ScriptedLLMServer) -> list[str]:
         server.base_url,
         "--price",
         "grader=3,15",
-        *FAST,
+        "--turn-latency",  # FAST without --judge-latency: an LLM judge has no simulated latency
+        "0.02",
     ]
 
 
@@ -192,3 +200,49 @@ def test_an_answer_lost_to_a_kill_is_on_the_ledger_as_billed(cli: Cli, server: S
     # request's intent can add one more call than lost rows)
     assert 6 + in_flight_at_kill <= book["judge_calls"] <= 12
     assert server.count() == book["requests"]
+
+
+def test_the_llm_judge_scores_harbor_tasks_with_a_rubric_file_once(cli: Cli, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name in ("produce-file", "text-search"):
+        (tasks / name).symlink_to(TASKS / name, target_is_directory=True)
+    rubric = tmp_path / "quality.toml"
+    rubric.write_text(
+        'name = "quality-only"\n\n[[criteria]]\nname = "quality"\nweight = 0.5\n'
+        'description = "the work is clean and to the point"\n'
+    )
+    args = [
+        "--tasks",
+        str(tasks),
+        "--judge",
+        "llm",
+        "--judge-model",
+        "grader",
+        "--rubric",
+        str(rubric),
+        "--price",
+        "grader=3,15",
+        "--n-steps",
+        "1",
+        "--n-samples",
+        "1",
+    ]
+    with ScriptedLLMServer(lambda body: json.dumps({"scores": {"quality": 0.8}})) as server:
+        out = cli.json("train", "--run-id", "judged", "--judge-base-url", server.base_url, *args)
+        assert out["status"] == "succeeded" and out["steps"][0]["n_trials"] == 2
+        assert out["counters"]["judge_calls"] == 2 and server.count() == 2  # one judgment per trial
+        assert out["ledger"]["judge_calls"] == out["ledger"]["requests"] == 2
+        prompts = [r["messages"][0]["content"] for r in server.requests]
+        assert all("quality: the work is clean and to the point" in p and "correctness" not in p for p in prompts)
+        assert {r["model"] for r in server.requests} == {"grader"}
+        again = cli.json("train", "--run-id", "again", "--judge-base-url", server.base_url, *args)
+        assert server.count() == 2 and again["ledger"]["requests"] == 0  # the judgments were remembered
+        assert again["ledger"]["saved"]["calls"] == 2 and figures(again) == figures(out)
+    trials = {t["trial_id"]: t for t in cli.json("show", "judged", "--trials")}
+    assert set(trials) == {"s0-produce-file-n0", "s0-text-search-n0"}
+    assert trials["s0-text-search-n0"]["rewards"] == {"reward": 1.0, "judge": 0.4}  # 0.5 x 0.8
+    assert trials["s0-produce-file-n0"]["rewards"] == {"reward": 1.0, "count": 1.0, "total": 1.0, "judge": 0.4}
+    for t in trials.values():
+        assert t["info"]["passed"] and t["reward"] == pytest.approx(t["rewards"]["reward"] + t["rewards"]["judge"])
+        assert t["reward"] == pytest.approx(1.4)

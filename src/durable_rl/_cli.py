@@ -174,10 +174,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# How an error names a setting: by its flag, and by its key where the two differ (`--lr (trainer.lr)`).
 _FLAG_OF = (
-    {key: _flag(name) for name, key in SHORTCUTS.items()}
+    {key: f"{_flag(name)} ({key})" for name, key in SHORTCUTS.items()}
     | {name: _flag(name) for name in TOP_LEVEL}
-    | {"env.path": "--tasks"}
+    | {"env.path": "--tasks (env.path)"}
 )
 
 

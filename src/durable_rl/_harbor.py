@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from ._models import AgentTurn, JudgeAnswer, Prompt, Reward, ToolCall, Trajectory, TrialSpec, Verdict, Weights, _Frozen
+from ._models import AgentTurn, Prompt, ToolCall, Trajectory, TrialSpec, Verdict, Weights, _Frozen
 from ._protocols import Agent, Environment, PluginSettings, Sandbox, TrialContext
 from ._sandbox._process import CommandResult, Limits
 from ._sandbox._tools import read_untrusted
@@ -312,21 +312,6 @@ class Harbor(Environment):
             passed=score > 0,
             components=rewards,
             details={"verifier": phase.model_dump(), "summary": {"verifier": phase.ended_by}},
-        )
-
-    def reward(self, traj: Trajectory, judged: JudgeAnswer | None) -> Reward:
-        verdict = traj.verdict or Verdict(score=0.0, passed=False)
-        components = dict(verdict.components)
-        total = verdict.score
-        if judged is not None:  # the LLM judge's rubric score adds to the verifier's, as on secret-hunt
-            components["judge"] = judged.score
-            total += judged.score
-        return Reward(
-            trial_id=traj.trial_id,
-            world_id=traj.world_id,
-            reward=round(total, 6),
-            components=components,
-            n_turns=len(traj.turns),
         )
 
 

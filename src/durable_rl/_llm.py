@@ -20,7 +20,9 @@ from contextvars import ContextVar
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ._protocols import VOLATILE, PluginSettings
 
 
 class LLMUnavailable(RuntimeError):
@@ -83,6 +85,42 @@ class Endpoint(BaseModel):
     requests_per_minute: int = Field(600, ge=1, description="Requests started per rolling minute, per process.")
     backoff_s: float = Field(0.5, gt=0, description="First retry delay; doubles each retry, with jitter.")
     max_backoff_s: float = Field(30.0, gt=0, description="Longest delay between two retries.")
+
+
+class EndpointSettings(PluginSettings):
+    """The settings of a plug-in that calls an OpenAI-compatible endpoint."""
+
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the OpenAI-compatible API.")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
+    request_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="Seconds one request may take.", json_schema_extra=VOLATILE
+    )
+    deadline_s: float = Field(
+        600.0, gt=0, le=7 * 86400, description="Seconds of retrying an outage.", json_schema_extra=VOLATILE
+    )
+    concurrency: int = Field(
+        16, ge=1, le=4096, description="Requests in flight at once, per process.", json_schema_extra=VOLATILE
+    )
+    requests_per_minute: int = Field(
+        600, ge=1, le=1_000_000, description="Requests per minute, per process.", json_schema_extra=VOLATILE
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        return http_url(url)
+
+    def endpoint(self, model: str) -> Endpoint:
+        """Where and how a request for `model` goes."""
+        return Endpoint(
+            model=model,
+            base_url=self.base_url,
+            api_key_env=self.api_key_env,
+            request_timeout_s=self.request_timeout_s,
+            deadline_s=self.deadline_s,
+            concurrency=self.concurrency,
+            requests_per_minute=self.requests_per_minute,
+        )
 
 
 class Usage(BaseModel):

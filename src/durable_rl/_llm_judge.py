@@ -8,11 +8,11 @@ import json
 import time
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from ._llm import ChatResult, Endpoint, Observer, chat, http_url
+from ._llm import ChatResult, EndpointSettings, Observer, chat
 from ._models import JudgeAnswer, Rubric, Trajectory
-from ._protocols import VOLATILE, Judge, JudgeContext, PluginSettings
+from ._protocols import VOLATILE, Judge, JudgeContext
 
 
 class JudgeAnswerInvalid(RuntimeError):
@@ -30,37 +30,14 @@ The attempt, as JSON:
 Reply with only a JSON object, no prose: {{"scores": {{{schema}}}}}"""
 
 
-class LLMJudgeSettings(PluginSettings):
+class LLMJudgeSettings(EndpointSettings):
     model: str = Field("judge", description="The model asked (part of every judgment's identity).")
-    base_url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the OpenAI-compatible API.")
-    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
-    requests_per_minute: int = Field(
-        600, ge=1, le=1_000_000, description="Requests per minute, per process.", json_schema_extra=VOLATILE
-    )
-    concurrency: int = Field(
-        16, ge=1, le=4096, description="Requests in flight at once, per process.", json_schema_extra=VOLATILE
-    )
-    request_timeout_s: float = Field(
-        60.0, gt=0, le=86400, description="Seconds one request may take.", json_schema_extra=VOLATILE
-    )
-    deadline_s: float = Field(
-        600.0,
-        gt=0,
-        le=7 * 86400,
-        description="Seconds of retrying an outage.",
-        json_schema_extra=VOLATILE,
-    )
     max_reasks: int = Field(2, ge=0, le=20, description="Times a malformed answer is asked again.")
     prices: dict[str, tuple[float, float]] = Field(
         default_factory=dict,
         description="Per model: USD per million prompt and completion tokens.",
         json_schema_extra=VOLATILE,
     )
-
-    @field_validator("base_url")
-    @classmethod
-    def _http(cls, url: str) -> str:
-        return http_url(url)
 
 
 class LLMJudge(Judge):
@@ -79,20 +56,6 @@ class LLMJudge(Judge):
     def price(self) -> tuple[float, float]:
         """USD per million prompt and completion tokens of this judge's model."""
         return self.settings.prices.get(self.model, (0.0, 0.0))
-
-    @property
-    def endpoint(self) -> Endpoint:
-        """Where and how requests go."""
-        s = self.settings
-        return Endpoint(
-            model=s.model,
-            base_url=s.base_url,
-            api_key_env=s.api_key_env,
-            request_timeout_s=s.request_timeout_s,
-            deadline_s=s.deadline_s,
-            concurrency=s.concurrency,
-            requests_per_minute=s.requests_per_minute,
-        )
 
     def endpoints(self) -> list[tuple[str, str]]:
         return [(self.settings.base_url, self.settings.api_key_env)]
@@ -132,7 +95,7 @@ class LLMJudge(Judge):
         results: list[ChatResult] = []
         counter = _CountingObserver(ctx.observer)
         problem = ""
-        endpoint = self.endpoint
+        endpoint = self.settings.endpoint(self.model)
         for _ in range(self.settings.max_reasks + 1):
             result = await chat(endpoint, messages, observer=counter, response_format={"type": "json_object"})
             results.append(result)

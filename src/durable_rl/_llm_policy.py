@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from ._llm import ChatResult, Endpoint, Observer, chat, http_url
+from ._llm import ChatResult, Endpoint, EndpointSettings, Observer, chat
 from ._models import AgentTurn, ToolCall, Trajectory, TrialSpec, Weights
-from ._protocols import VOLATILE, Agent, PluginSettings, Sandbox, TrialContext
+from ._protocols import Agent, Sandbox, TrialContext
 from ._sandbox._tools import SandboxTools, ToolError
 
 TOOLS: list[dict[str, Any]] = [
@@ -135,32 +135,12 @@ async def agent_loop(
     return turns
 
 
-class LLMAgentSettings(PluginSettings):
+class LLMAgentSettings(EndpointSettings):
     model: str = Field("policy", description="Base model of the policy (served by the endpoint).")
     adapter: str | None = Field(
         None, description="LoRA adapter name; each weights version is served as {adapter}-v{version}."
     )
-    base_url: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the OpenAI-compatible API.")
-    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
     max_turns: int = Field(12, ge=1, le=10_000, description="Model responses allowed per trial.")
-    request_timeout_s: float = Field(
-        60.0, gt=0, le=86400, description="Seconds one request may take.", json_schema_extra=VOLATILE
-    )
-    deadline_s: float = Field(
-        600.0,
-        gt=0,
-        le=7 * 86400,
-        description="Seconds of retrying an outage.",
-        json_schema_extra=VOLATILE,
-    )
-    concurrency: int = Field(
-        16, ge=1, le=4096, description="Requests in flight at once, per process.", json_schema_extra=VOLATILE
-    )
-
-    @field_validator("base_url")
-    @classmethod
-    def _http(cls, url: str) -> str:
-        return http_url(url)
 
 
 class LLMAgent(Agent):
@@ -180,14 +160,8 @@ class LLMAgent(Agent):
         return [(self.settings.base_url, self.settings.api_key_env)]
 
     async def run(self, spec: TrialSpec, weights: Weights, sandbox: Sandbox, ctx: TrialContext) -> Trajectory:
-        s = self.settings
-        endpoint = Endpoint(
-            model=self.served_name(weights),
-            base_url=s.base_url,
-            api_key_env=s.api_key_env,
-            request_timeout_s=s.request_timeout_s,
-            deadline_s=s.deadline_s,
-            concurrency=s.concurrency,
+        endpoint = self.settings.endpoint(self.served_name(weights))
+        turns = await agent_loop(
+            endpoint, spec.instruction or spec.prompt, sandbox.tools, max_turns=self.settings.max_turns
         )
-        turns = await agent_loop(endpoint, spec.instruction or spec.prompt, sandbox.tools, max_turns=s.max_turns)
         return Trajectory(trial_id=spec.trial_id, world_id=spec.world_id, weights_version=weights.version, turns=turns)

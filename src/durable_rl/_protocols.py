@@ -153,13 +153,13 @@ class Environment(Plugin, ABC):
         """The deterministic verifier, in the trial's copy after the agent; raise when it cannot decide."""
 
     def reward(self, traj: Trajectory, judged: JudgeAnswer | None) -> Reward:
-        """The trainer's reward: the verifier's score plus the judge's, when there is a judge."""
+        """The trainer's reward: the verifier's score plus the judge's, when there is a judge; its
+        components are the verifier's named rewards (or `verifier`) and `judge`."""
         verdict = traj.verdict or Verdict(score=0.0, passed=False)
-        components = {"verifier": verdict.score, **{f"verifier.{k}": v for k, v in verdict.components.items()}}
+        components = dict(verdict.components) or {"verifier": verdict.score}
         total = verdict.score
         if judged is not None:
             components["judge"] = judged.score
-            components.update({f"judge.{k}": v for k, v in judged.scores.items()})
             total += judged.score
         return Reward(
             trial_id=traj.trial_id,

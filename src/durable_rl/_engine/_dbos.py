@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -20,7 +21,7 @@ from dbos import DBOS, DBOSConfig, SetWorkflowID, WorkflowHandleAsync
 
 from .._config import UnitName
 from .._identity import canonical, canonical_json, identity
-from .._loop import EndpointDown, StepRecord, TrialOutcome, UnitFailed, check_endpoints, drive, run_trial
+from .._loop import EndpointDown, StepFailed, StepRecord, TrialOutcome, UnitFailed, check_endpoints, drive, run_trial
 from .._models import Reward, StepResult, Trajectory, TrialSpec, Weights, World
 from .._sandbox._workspace import sweep, trials_dir_for
 from .._unit import policy_of
@@ -212,6 +213,15 @@ def _output(result: dict[str, Any]) -> str:
     return text
 
 
+class _RunEndsAreOurs(logging.Filter):
+    """Keep DBOS from printing a traceback for a run that ended as designed (a dead endpoint, a
+    failed step): the driver says it in one line. Every other engine error still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, EndpointDown | StepFailed)
+
+
 async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any) -> None:
     """Launch DBOS in this process, resume or start the run's workflow, and wait for it."""
     config: DBOSConfig = {
@@ -230,6 +240,7 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
     swept = sweep(trials_dir_for(state_folder()))  # working copies a killed driver left, mounts included
     if swept:
         print(f"removed {swept} working copies left by a dead process", file=sys.stderr)
+    logging.getLogger("dbos").addFilter(_RunEndsAreOurs())
     DBOS(config=config)
     DBOS.launch()
     try:

@@ -358,7 +358,16 @@ class Store:
             "steps": [
                 {
                     k: s[k]
-                    for k in ("step", "n_trials", "n_specs", "mean_reward", "mean_turns", "weights_version", "wall_s")
+                    for k in (
+                        "step",
+                        "n_trials",
+                        "n_specs",
+                        "mean_reward",
+                        "mean_turns",
+                        "weights_version",
+                        "wall_s",
+                        "error",
+                    )
                 }
                 for s in self.steps(run_id)
             ],

@@ -1,0 +1,233 @@
+"""Issue 7, "fail loudly": a dead endpoint fails the run before its first step, a step with too
+few successful trials fails untrained and says why, and a group that lost a trial is dropped
+whole when asked. Every test runs the real `durable-rl` command against real loopback sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import FAST, Cli
+
+from durable_rl._engine._store import Store
+from durable_rl._fake_llm import ScriptedLLMServer
+
+# Each injected sandbox failure comes on attempt 0 only: with no retries, the trial is skipped.
+NO_RETRIES = ["--set", "units.generate.retries=0"]
+TIMEOUT = 60
+
+
+def _refused_url() -> str:
+    """A loopback URL nothing listens on: the port was bound, then let go."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def _train(cli: Cli, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """`train --json` whatever its exit code: the process and the summary it printed."""
+    proc = cli.run("train", *args, "--json", timeout=TIMEOUT)
+    assert proc.stdout.strip(), proc.stderr
+    return proc, json.loads(proc.stdout)
+
+
+def _trials(cli: Cli, run_id: str) -> dict[str, dict[str, Any]]:
+    proc = cli.run("show", run_id, "--trials", "--json", timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    return {t["trial_id"]: t for t in json.loads(proc.stdout)}
+
+
+def _line(text: str, *parts: str) -> str:
+    """The one line of `text` holding every part (case-insensitive)."""
+    found = [line for line in text.splitlines() if all(p.lower() in line.lower() for p in parts)]
+    assert found, f"no line with {parts} in:\n{text}"
+    return found[0]
+
+
+def _endpoint_args(category: str, url: str) -> list[str]:
+    """A run whose agent or judge (`category`) is the LLM plug-in at `url`, the rest simulated.
+    Only the simulated plug-in's latency flag is given: the CLI refuses a flag its plug-in lacks."""
+    turn_latency, judge_latency = FAST[:2], FAST[2:]
+    if category == "agent":
+        return ["--policy", "llm", "--policy-base-url", url, *judge_latency]
+    return ["--judge", "llm", "--judge-base-url", url, *turn_latency]
+
+
+def _failed_before_first_step(
+    cli: Cli, run_id: str, proc: subprocess.CompletedProcess[str], out: dict[str, Any]
+) -> None:
+    assert proc.returncode == 1, proc.stderr
+    assert out["status"] == "failed" and out["steps"] == []
+    row = Store(cli.db).run(run_id)
+    assert row is not None and row.status == "failed"
+    assert Store(cli.db).steps(run_id) == [] and Store(cli.db).trials(run_id) == []
+    c = out["counters"]
+    assert c["generate_executed"] == 0 and c["worlds_built"] == 0 and c["judge_task_attempts"] == 0
+    assert c["train_steps_executed"] == 0 and c["driver_attempts"] == 1  # failed for good: no restart
+
+
+@pytest.mark.parametrize("category", ["agent", "judge"])
+def test_a_refused_endpoint_fails_the_run_before_the_first_step(cli: Cli, category: str) -> None:
+    url = _refused_url()
+    proc, out = _train(cli, "--run-id", "refused", *_endpoint_args(category, url))
+    _failed_before_first_step(cli, "refused", proc, out)
+    line = _line(proc.stderr, "run refused failed", "EndpointDown", f"{category} endpoint {url}")
+    assert "unreachable" in line and "ConnectionRefusedError" in line, line
+
+
+@pytest.mark.parametrize("category", ["agent", "judge"])
+def test_an_endpoint_answering_503_to_models_fails_the_run_before_the_first_step(cli: Cli, category: str) -> None:
+    with ScriptedLLMServer(models_status=503) as server:
+        proc, out = _train(cli, "--run-id", "down", *_endpoint_args(category, server.base_url))
+        assert server.count() == 0  # not one chat request was sent
+    _failed_before_first_step(cli, "down", proc, out)
+    _line(proc.stderr, "run down failed", "EndpointDown", f"{category} endpoint {server.base_url}", "HTTP 503")
+
+
+@pytest.fixture
+def outage() -> Iterator[ScriptedLLMServer]:
+    """An endpoint that lists its models, then answers every chat request with 503."""
+    with ScriptedLLMServer() as server:
+        server.script += [{"status": 503}] * 1000
+        yield server
+
+
+@pytest.mark.parametrize(
+    ("cut_off_by", "error_type"),
+    [
+        (["--set", "agent.deadline_s=1"], "LLMUnavailable"),  # the agent's own retrying gives up
+        (["--trial-timeout", "2"], "TimeoutError"),  # the trial's deadline cancels it mid-retrying
+    ],
+    ids=["agent-deadline", "trial-timeout"],
+)
+def test_a_chat_outage_skips_every_trial_with_its_root_cause_and_fails_the_step(
+    cli: Cli, outage: ScriptedLLMServer, cut_off_by: list[str], error_type: str
+) -> None:
+    proc, out = _train(
+        cli,
+        "--run-id",
+        "outage",
+        *_endpoint_args("agent", outage.base_url),
+        "--n-steps",
+        "2",
+        *cut_off_by,
+    )
+    assert outage.count() > 0 and len(outage.script) == 1000 - outage.count()  # every request got a 503
+    assert proc.returncode == 1, proc.stderr
+    assert out["status"] == "failed"
+    row = Store(cli.db).run("outage")
+    assert row is not None and row.status == "failed"
+    # step 0 is recorded, untrained; step 1 never ran
+    assert [(s["step"], s["n_trials"], s["n_specs"], s["weights_version"]) for s in out["steps"]] == [(0, 0, 6, 0)]
+    c = out["counters"]
+    assert c["generate_executed"] == 12 and c["train_steps_executed"] == 0 and c["judge_task_attempts"] == 0
+    trials = _trials(cli, "outage")
+    assert len(trials) == 6
+    for t in trials.values():
+        assert t["reward"] is None and t["error_type"] == error_type, t
+        assert "HTTP 503" in t["error_message"], t  # the root cause, not only that time ran out
+    if error_type == "TimeoutError":
+        assert all(f"retrying through: {outage.base_url}: HTTP 503" in t["error_message"] for t in trials.values())
+    line = _line(proc.stderr, "step 0 failed: 0 of 6 trials succeeded", "HTTP 503")
+    assert error_type in line
+    _line(proc.stderr, "run outage failed: StepFailed: step 0 failed")
+    (step,) = Store(cli.db).steps("outage")
+    assert step["error"] and "HTTP 503" in step["error"]
+
+
+@pytest.mark.parametrize("share", ["0", "0.5"])
+def test_weights_never_advance_on_zero_trials(cli: Cli, share: str) -> None:
+    proc, out = _train(
+        cli,
+        "--run-id",
+        "none",
+        "--flaky-trial-rate",
+        "1",
+        *NO_RETRIES,
+        "--min-success-share",
+        share,
+        "--n-steps",
+        "2",
+        *FAST,
+    )
+    assert proc.returncode == 1 and out["status"] == "failed", proc.stderr
+    assert [(s["step"], s["n_trials"], s["weights_version"]) for s in out["steps"]] == [(0, 0, 0)]
+    c = out["counters"]
+    assert c["generate_executed"] == 6 and c["judge_task_attempts"] == 0 and c["train_steps_executed"] == 0
+    line = _line(proc.stderr, "step 0 failed: 0 of 6 trials succeeded")
+    assert "InjectedFailure" in line and "below the minimum share 0;" not in line, line
+
+
+def test_a_step_below_the_minimum_share_fails_and_at_zero_trains_on_the_rest(cli: Cli) -> None:
+    # at rate 0.75, five of step 0's six trials fail their only attempt; s0-p1-n1 succeeds
+    faults = ["--flaky-trial-rate", "0.75", *NO_RETRIES, "--n-steps", "1", *FAST]
+    proc, out = _train(cli, "--run-id", "half", *faults, "--min-success-share", "0.5")
+    assert proc.returncode == 1 and out["status"] == "failed", proc.stderr
+    assert [(s["n_trials"], s["n_specs"], s["weights_version"]) for s in out["steps"]] == [(1, 6, 0)]
+    assert out["counters"]["train_steps_executed"] == 0
+    line = _line(proc.stderr, "step 0 failed: 1 of 6 trials succeeded, below the minimum share 0.5")
+    assert "first failure s0-p0-n0: generate: InjectedFailure" in line, line
+
+    proc, out = _train(cli, "--run-id", "zero", *faults, "--min-success-share", "0")
+    assert proc.returncode == 0 and out["status"] == "succeeded", proc.stderr
+    (step,) = out["steps"]
+    assert (step["n_trials"], step["n_specs"], step["weights_version"]) == (1, 6, 1)
+    assert out["counters"]["train_steps_executed"] == 1
+    trials = _trials(cli, "zero")
+    ok = [t for t in trials.values() if t["reward"] is not None]
+    assert [t["trial_id"] for t in ok] == ["s0-p1-n1"] and step["mean_reward"] == pytest.approx(ok[0]["reward"])
+    assert sum(t["error_type"] == "InjectedFailure" for t in trials.values()) == 5
+    _line(proc.stderr, "step 0: trials 1/6", "weights v1")
+
+
+def _group(trial_id: str) -> str:
+    return trial_id.rsplit("-n", 1)[0]
+
+
+@pytest.mark.parametrize("policy", ["drop", "keep"])
+def test_group_policy_drops_or_keeps_the_rest_of_a_broken_group(cli: Cli, policy: str) -> None:
+    # at rate 0.25, only s0-p2-n1 of step 0 fails: group s0-p2 loses one of its two samples
+    proc, out = _train(
+        cli,
+        "--run-id",
+        policy,
+        "--flaky-trial-rate",
+        "0.25",
+        *NO_RETRIES,
+        "--n-steps",
+        "1",
+        "--min-success-share",
+        "0",
+        "--group-policy",
+        policy,
+        *FAST,
+    )
+    assert proc.returncode == 0 and out["status"] == "succeeded", proc.stderr
+    trials = _trials(cli, policy)
+    failed = {t["trial_id"] for t in trials.values() if t["error_type"] == "InjectedFailure"}
+    assert failed == {"s0-p2-n1"}
+    counted = [t for t in trials.values() if t["reward"] is not None]
+    (step,) = out["steps"]
+    assert step["n_trials"] == len(counted) and step["weights_version"] == 1
+    assert step["mean_reward"] == pytest.approx(round(sum(t["reward"] for t in counted) / len(counted), 3))
+    broken = {_group(t) for t in failed}
+    survivors = {t["trial_id"] for t in trials.values() if _group(t["trial_id"]) in broken} - failed
+    assert survivors == {"s0-p2-n0"}
+    if policy == "drop":
+        assert not any(_group(t["trial_id"]) in broken for t in counted)  # no trial of a broken group counts
+        assert len(counted) == 4 and out["counters"]["trials_failed"] == 2
+        for trial_id in survivors:
+            t = trials[trial_id]
+            assert t["reward"] is None and t["error_message"] == "dropped: s0-p2-n1 of its group failed", t
+            _line(proc.stderr, f"skipped {trial_id}: dropped: s0-p2-n1 of its group failed")
+    else:
+        assert {t["trial_id"] for t in counted} >= survivors  # the surviving sample counts
+        assert len(counted) == 5 and out["counters"]["trials_failed"] == 1
+        assert "dropped" not in proc.stderr
+    # the dropped trial still ran and was judged: dropping is the trainer's choice, not a failure
+    assert out["counters"]["judge_task_attempts"] == 5
