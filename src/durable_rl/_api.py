@@ -22,9 +22,11 @@ from ._config_file import PLUGIN_SECTIONS, make_config, read_config_file, uses_m
 from ._engine._store import RunRow, Store, check_url, default_url
 from ._engine._supervisor import supervise
 from ._errors import UserError
+from ._loop import trial_specs
 from ._rubrics import load_rubric
 
 RUN_ID_MAX = 120  # it names a report file and workflow ids: keep it well under any file-name limit
+MAX_TRIALS_PER_STEP = 100_000  # past this, a typo (an extra zero or three), not a plan
 
 
 def database_url(db: str | Path | None = None) -> str:
@@ -136,9 +138,24 @@ class Run:
         return self.store.summary(self.run_id)
 
 
+def check_plan(config: RunConfig) -> None:
+    """What the config alone cannot tell: every hang fault names a trial of the run, and a step's
+    trials stay within MAX_TRIALS_PER_STEP."""
+    env = config.plugins().env
+    n_trials = len(trial_specs(env, 0, config.n_samples))
+    if n_trials > MAX_TRIALS_PER_STEP:
+        raise UserError(f"--n-samples {config.n_samples}: {n_trials} trials a step; at most {MAX_TRIALS_PER_STEP}")
+    for trial_id in config.faults.hang_trials:
+        step = trial_id.split("-", 1)[0].removeprefix("s")
+        ids = trial_specs(env, int(step), config.n_samples) if step.isdigit() and int(step) < config.n_steps else []
+        if trial_id not in {spec.trial_id for spec in ids}:
+            raise UserError(f"--hang-trial {trial_id!r}: no such trial in this run (ids look like s0-p0-n0)")
+
+
 def record_run(url: str, config: RunConfig, run_id: str | None) -> Run:
-    """Record a new run (nothing is written when the URL or run id is bad); it has not started."""
+    """Record a new run (nothing is written when the URL, the run id or the plan is bad); it has not started."""
     run_id = check_run_id(run_id if run_id is not None else new_run_id())
+    check_plan(config)
     check_url(url)
     existing = Store.open_existing(url)
     if existing is not None and existing.run(run_id) is not None:

@@ -96,8 +96,21 @@ class RunConfig(_Frozen):
         return data
 
     @model_validator(mode="after")
-    def _judge_takes_the_rubric(self) -> RunConfig:
-        judge = self.plugins().judge
+    def _plugins_fit(self) -> RunConfig:
+        """Each plug-in works with the environment, the judge with the rubric, the crash point is a step."""
+        p = self.plugins()
+        for category, plugin in (("agent", p.agent), ("judge", p.judge), ("trainer", p.trainer)):
+            if plugin is None:
+                continue
+            try:
+                plugin.check_environment(p.env)
+            except ValueError as e:
+                raise UserError(f"--{category} {plugin.kind!r}: {e}") from None
+        if self.faults.crash_driver_at_step >= self.n_steps:
+            raise UserError(
+                f"--crash-driver-at-step {self.faults.crash_driver_at_step}: past the last step ({self.n_steps - 1})"
+            )
+        judge = p.judge
         if judge is not None:
             try:
                 judge.check_rubric(self.rubric)

@@ -43,8 +43,11 @@ class VerificationFailed(RuntimeError):
     """The verifier ran but produced no usable reward (missing, empty, non-numeric, timed out)."""
 
 
+_WEEK = 7 * 86400
+
+
 class AgentSettings(_Frozen):
-    timeout_sec: float | None = None
+    timeout_sec: float | None = Field(None, gt=0, le=_WEEK, allow_inf_nan=False)
 
     @property
     def wall_s(self) -> float:
@@ -53,14 +56,14 @@ class AgentSettings(_Frozen):
 
 
 class VerifierSettings(_Frozen):
-    timeout_sec: float = 600.0
+    timeout_sec: float = Field(600.0, gt=0, le=_WEEK, allow_inf_nan=False)
     env: dict[str, str] = Field(default_factory=dict)
 
 
 class EnvironmentSettings(_Frozen):
-    cpus: int = 1
-    memory_mb: int = 2048
-    storage_mb: int = 10240
+    cpus: int = Field(1, ge=1, le=1024)
+    memory_mb: int = Field(2048, ge=16, le=1 << 22)  # a command's address space cannot be smaller
+    storage_mb: int = Field(10240, ge=1, le=1 << 24)
     allow_internet: bool = False
     env: dict[str, str] = Field(default_factory=dict)
 
@@ -108,33 +111,47 @@ class PhaseResult(_Frozen):
         )
 
 
-def load_tasks(root: Path) -> list[HarborTask]:
-    """Every task under `root` (a task folder, or a folder of them), sorted by name."""
+def _task_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         raise TaskError(f"{root}: no such folder of Harbor tasks")
-    folders = (
-        [root] if (root / "task.toml").exists() else sorted(p for p in root.iterdir() if (p / "task.toml").exists())
-    )
+    if (root / "task.toml").exists():
+        return [root]
+    folders = sorted(p for p in root.iterdir() if (p / "task.toml").exists())
     if not folders:
         raise TaskError(f"{root}: no task.toml in it or in its subfolders")
-    return [load_task(f) for f in folders]
+    return folders
+
+
+def load_tasks(root: Path) -> list[HarborTask]:
+    """Every task under `root` (a task folder, or a folder of them), sorted by name; the first
+    task that cannot be loaded raises its TaskError."""
+    return [load_task(f) for f in _task_folders(root)]
 
 
 def load_task(folder: Path) -> HarborTask:
-    """One task folder, checked."""
+    """One task folder, checked; a TaskError names the file and its fault."""
     folder = folder.resolve()
     try:
-        config = TaskToml.model_validate(tomllib.loads((folder / "task.toml").read_text()))
-    except (tomllib.TOMLDecodeError, ValidationError) as e:
-        raise TaskError(f"{folder / 'task.toml'}: {str(e).splitlines()[0]}") from None
+        config = TaskToml.model_validate(tomllib.loads((folder / "task.toml").read_text(encoding="utf-8")))
+    except (tomllib.TOMLDecodeError, ValidationError, UnicodeDecodeError, OSError) as e:
+        if isinstance(e, ValidationError):
+            err = e.errors()[0]
+            why = f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+        else:
+            why = str(e).splitlines()[0]
+        raise TaskError(f"{folder / 'task.toml'}: {why}") from None
     for needed in ("instruction.md", "environment", "tests/test.sh"):
         if not (folder / needed).exists():
             raise TaskError(f"{folder}: missing {needed}")
+    try:
+        instruction = (folder / "instruction.md").read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as e:
+        raise TaskError(f"{folder / 'instruction.md'}: {str(e).splitlines()[0]}") from None
     solution = folder / "solution"
     return HarborTask(
         name=folder.name,
         path=str(folder),
-        instruction=(folder / "instruction.md").read_text(),
+        instruction=instruction,
         config=config,
         environment_sha256=content_hash(folder / "environment"),
         tests_sha256=content_hash(folder / "tests"),
@@ -143,9 +160,23 @@ def load_task(folder: Path) -> HarborTask:
 
 
 @functools.cache
+def task_set(path: str) -> tuple[tuple[HarborTask, ...], tuple[str, ...]]:
+    """The tasks under `path` that load, and one line per task that does not: a set with some bad
+    tasks runs the good ones; a set with none is a TaskError. Loaded and hashed once per process."""
+    good, bad = [], []
+    for folder in _task_folders(Path(path)):
+        try:
+            good.append(load_task(folder))
+        except TaskError as e:
+            bad.append(f"task {folder.name} skipped: {e}")
+    if not good:
+        raise TaskError(f"{path}: no task loads ({bad[0]}{'; and more' if len(bad) > 1 else ''})")
+    return tuple(good), tuple(bad)
+
+
 def tasks_at(path: str) -> tuple[HarborTask, ...]:
-    """The tasks under `path`, loaded and fingerprinted once per process."""
-    return tuple(load_tasks(Path(path)))
+    """The tasks under `path` that load."""
+    return task_set(path)[0]
 
 
 def _environment_without_dockerfile(task: HarborTask, staging: Path) -> None:
@@ -253,6 +284,9 @@ class Harbor(Environment):
     def identity(self) -> dict[str, Any]:
         return {"kind": self.kind, "version": self.version}  # each task's identity is its files' hashes
 
+    def notes(self) -> list[str]:
+        return list(task_set(self.settings.path)[1])
+
     def tasks(self) -> dict[str, HarborTask]:
         """The task set, by name."""
         return {t.name: t for t in tasks_at(self.settings.path)}
@@ -319,6 +353,11 @@ def _task_identity(task: HarborTask) -> dict[str, Any]:
     return task.model_dump(mode="json", exclude={"path"})  # where the folder lies is not what it is
 
 
+def _harbor_only(plugin: str, environment: Environment) -> None:
+    if not isinstance(environment, Harbor):
+        raise ValueError(f"{plugin} plays Harbor tasks only (--tasks), not {environment.kind!r}")
+
+
 def _harbor(ctx: TrialContext) -> Harbor:
     if not isinstance(ctx.environment, Harbor):
         raise TaskError("this agent plays Harbor tasks only (--env harbor)")
@@ -329,6 +368,9 @@ class OracleAgent(Agent):
     """Runs the task's solution/solve.sh: the reference agent that should score 1."""
 
     kind = "oracle"
+
+    def check_environment(self, environment: Environment) -> None:
+        _harbor_only("the oracle agent", environment)
 
     async def run(self, spec: TrialSpec, weights: Weights, sandbox: Sandbox, ctx: TrialContext) -> Trajectory:
         task = _harbor(ctx).task(spec.world_id)
@@ -359,6 +401,9 @@ class NopAgent(Agent):
     """Does nothing: the floor every task's verifier should score 0."""
 
     kind = "nop"
+
+    def check_environment(self, environment: Environment) -> None:
+        _harbor_only("the nop agent", environment)
 
     async def run(self, spec: TrialSpec, weights: Weights, sandbox: Sandbox, ctx: TrialContext) -> Trajectory:
         return Trajectory(trial_id=spec.trial_id, world_id=spec.world_id, weights_version=weights.version)

@@ -108,6 +108,13 @@ class Plugin:
         """(base URL, API-key variable) of every HTTP endpoint this plug-in calls, checked before the first step."""
         return []
 
+    def notes(self) -> list[str]:
+        """Warnings to show before a run starts (e.g. tasks of a set that were skipped, and why)."""
+        return []
+
+    def check_environment(self, environment: Environment) -> None:
+        """Raise ValueError when this plug-in cannot work with `environment` (checked before a run starts)."""
+
 
 class Environment(Plugin, ABC):
     """Worlds (or tasks), the prompts of each step, and how an attempt is verified and rewarded."""

@@ -149,6 +149,11 @@ class SecretHunt(Environment):
         )
 
 
+def _secret_hunt_only(plugin: str, environment: Environment) -> None:
+    if not isinstance(environment, SecretHunt):
+        raise ValueError(f"{plugin} plays secret-hunt only, not {environment.kind!r}")
+
+
 class BanditSettings(PluginSettings):
     turn_latency: float = Field(
         0.2, ge=0.0, le=3600, description="Simulated seconds of one tool call.", json_schema_extra=VOLATILE
@@ -161,6 +166,9 @@ class BanditAgent(Agent):
     kind = "bandit"
     Settings = BanditSettings
     settings: BanditSettings
+
+    def check_environment(self, environment: Environment) -> None:
+        _secret_hunt_only("the bandit agent", environment)
 
     async def run(self, spec: TrialSpec, weights: Weights, sandbox: Sandbox, ctx: TrialContext) -> Trajectory:
         rng = random.Random(seed("trial", spec.trial_id))
@@ -211,6 +219,9 @@ class SimulatedJudge(Judge):
     def model(self) -> str:
         return SIMULATED_JUDGE_MODEL
 
+    def check_environment(self, environment: Environment) -> None:
+        _secret_hunt_only("the simulated judge", environment)
+
     def check_rubric(self, rubric: Rubric) -> None:
         unknown = [c.name for c in rubric.criteria if c.name not in CRITERIA]
         if unknown:
@@ -240,6 +251,9 @@ class BanditTrainer(Trainer):
     kind = "bandit"
     Settings = BanditTrainerSettings
     settings: BanditTrainerSettings
+
+    def check_environment(self, environment: Environment) -> None:
+        _secret_hunt_only("the bandit trainer", environment)
 
     def initial_weights(self, environment: Environment) -> Weights:
         return Weights(version=0, value={"doc_prior": {w: [1.0] * N_DOCS for w in environment.world_ids()}})

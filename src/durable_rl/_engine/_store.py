@@ -147,20 +147,51 @@ def _sqlalchemy_url(url: str) -> str:
     return url
 
 
+def shown(url: str) -> str:
+    """A URL as it may be printed: without its password."""
+    try:
+        return sa.engine.make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return url
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+@contextmanager
+def database_errors(url: str) -> Iterator[None]:
+    """Turn a database that cannot be reached, opened or written into one UserError line."""
+    try:
+        yield
+    except sa.exc.DBAPIError as e:  # connection refused, no such database, disk full, read-only
+        raise UserError(f"state database {shown(url)}: {_one_line(e.orig or e)}") from None
+    except (sqlite3.Error, OSError) as e:
+        raise UserError(f"state database {shown(url)}: {_one_line(e)}") from None
+
+
 def check_url(url: str) -> None:
     """Refuse, as a UserError, a URL that cannot name a durable-rl state database."""
     if not url.startswith(("sqlite:///", "postgresql://", "postgres://", "postgresql+psycopg://")):
-        raise UserError(f"unsupported state database URL {url!r}: use sqlite:///PATH or postgresql://...")
+        raise UserError(f"unsupported state database URL {shown(url)!r}: use sqlite:///PATH or postgresql://...")
     path = sqlite_path(url)
-    if path is None or not path.exists():
+    if path is None:
+        return
+    if not path.exists():
+        if not path.parent.parent.is_dir():  # the state folder itself may be made, not a whole tree
+            raise UserError(f"--db {url}: the folder {path.parent.parent} does not exist")
         return
     if path.is_dir():
         raise UserError(f"{path} is a folder, not a state database")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path} is an empty file, not a state database")
     try:
         with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
             names = {row[0] for row in conn.execute("select name from sqlite_master where type='table'")}
-    except sqlite3.DatabaseError:
-        raise UserError(f"{path} is not a durable-rl state database (not SQLite)") from None
+    except sqlite3.DatabaseError as e:
+        if "not a database" in str(e):
+            raise UserError(f"{path} is not a durable-rl state database (not SQLite)") from None
+        raise UserError(f"{path}: cannot open it: {_one_line(e)}") from None
     if names and "drl_runs" not in names:
         raise UserError(f"{path} is not a durable-rl state database (it has other tables)")
 
@@ -192,7 +223,9 @@ class Store:
         if path is not None and not path.exists():
             return None
         store = cls(url)
-        if not sa.inspect(store.engine).has_table("drl_runs"):
+        with database_errors(url):
+            found = sa.inspect(store.engine).has_table("drl_runs")
+        if not found:
             store.engine.dispose()
             return None
         return store
@@ -202,15 +235,23 @@ class Store:
         """The store at `url`, with its tables made if they were missing."""
         check_url(url)
         path = sqlite_path(url)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        store = cls(url)
-        if path is not None:
-            with store.engine.connect() as conn:
-                # WAL persists in the file, so the engine's connections use it too: readers stop
-                # blocking writers, and a commit is one append (synchronous=FULL keeps it durable)
-                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-        _meta.create_all(store.engine)
+        new = path is not None and not path.exists()
+        try:
+            with database_errors(url):
+                if path is not None:
+                    path.parent.mkdir(exist_ok=True)
+                store = cls(url)
+                if path is not None:
+                    with store.engine.connect() as conn:
+                        # WAL persists in the file, so the engine's connections use it too: readers stop
+                        # blocking writers, and a commit is one append (synchronous=FULL keeps it durable)
+                        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+                _meta.create_all(store.engine)
+        except UserError:
+            if new and path is not None:  # nothing half-written: a database this call began goes
+                for leftover in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                    leftover.unlink(missing_ok=True)
+            raise
         return store
 
     @contextmanager
@@ -220,7 +261,7 @@ class Store:
 
     # runs
     def create_run(self, run_id: str, config_json: str) -> None:
-        with self._tx() as c:
+        with database_errors(self.url), self._tx() as c:
             c.execute(runs.insert().values(run_id=run_id, config=config_json, status="running", created_at=time.time()))
 
     def run(self, run_id: str) -> RunRow | None:

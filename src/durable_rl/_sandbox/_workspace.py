@@ -36,11 +36,11 @@ def content_hash(root: Path) -> str:
     """sha256 over every file's relative path, executable bit and bytes, in sorted order."""
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink()):
-        rel = path.relative_to(root).as_posix()
+        rel = os.fsencode(path.relative_to(root).as_posix())  # a name's bytes, UTF-8 or not
         if path.is_symlink():
-            digest.update(f"L\x00{rel}\x00{os.readlink(path)}\x00".encode())
+            digest.update(b"L\x00" + rel + b"\x00" + os.fsencode(os.readlink(path)) + b"\x00")
             continue
-        digest.update(f"F\x00{rel}\x00{os.access(path, os.X_OK):d}\x00".encode())
+        digest.update(b"F\x00" + rel + f"\x00{os.access(path, os.X_OK):d}\x00".encode())
         with path.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
