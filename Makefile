@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint bench clean
+.PHONY: demo ui test check lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,12 +19,16 @@ demo: $(STAMP)
 	$(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite rescore --rubric v2-efficiency
 	$(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite train \
 		--tasks examples/harbor-tasks --agent oracle --n-steps 1 --n-samples 1
+	@echo "see the runs, their steps and every trial's trajectory: make ui (then open http://127.0.0.1:8765/)"
+
+ui: $(STAMP)
+	$(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite ui
 
 test: $(STAMP)
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 
 check: lint test
@@ -32,6 +36,7 @@ check: lint test
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
 	$(BIN)/python benchmarks/working_copy.py
+	$(BIN)/python benchmarks/progress_overhead.py
 
 clean:
 	rm -rf $(VENV) .durable-rl

@@ -14,16 +14,27 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def _plot_svg(steps: list[dict[str, Any]]) -> str:
+def plot_svg(steps: list[dict[str, Any]], metrics: list[dict[str, Any]] | None = None) -> str:
+    """Mean reward per step (with the min-max band of its trials when `metrics` are given) and,
+    when the run's trials take turns, mean turns: one panel each, each with a legend."""
     xs = [s["step"] for s in steps]
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    ax.plot(xs, [s["mean_reward"] for s in steps], marker="o", color="tab:blue", label="mean reward")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward", color="tab:blue")
-    ax.set_xticks(xs)
-    twin = ax.twinx()
-    twin.plot(xs, [s["mean_turns"] for s in steps], marker="s", color="tab:orange", label="mean turns")
-    twin.set_ylabel("mean turns", color="tab:orange")
+    with_turns = any(s["mean_turns"] for s in steps)
+    fig, axes = plt.subplots(2 if with_turns else 1, 1, figsize=(6.5, 4.6 if with_turns else 2.8), sharex=True)
+    reward_ax = axes[0] if with_turns else axes
+    reward_ax.plot(xs, [s["mean_reward"] for s in steps], marker="o", color="tab:blue", label="mean reward")
+    by_step = {m["step"]: m["metrics"] for m in metrics or []}
+    lows = [by_step.get(x, {}).get("reward/min") for x in xs]
+    highs = [by_step.get(x, {}).get("reward/max") for x in xs]
+    if metrics and all(v is not None for v in lows + highs):
+        reward_ax.fill_between(xs, lows, highs, color="tab:blue", alpha=0.15, label="min-max of trials")
+    reward_ax.set_ylabel("reward")
+    reward_ax.legend(loc="best", fontsize="small")
+    if with_turns:
+        axes[1].plot(xs, [s["mean_turns"] for s in steps], marker="s", color="tab:orange", label="mean turns")
+        axes[1].set_ylabel("turns")
+        axes[1].legend(loc="best", fontsize="small")
+    (axes[-1] if with_turns else axes).set_xlabel("step")
+    (axes[-1] if with_turns else axes).set_xticks(xs)
     fig.tight_layout()
     buf = io.StringIO()
     fig.savefig(buf, format="svg")
@@ -38,30 +49,81 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _ledger_rows(book: dict[str, Any]) -> list[list[Any]]:
+def config_rows(config: dict[str, Any]) -> list[list[Any]]:
+    """What a reader needs of a run's config: its plug-ins and their settings, the rubric, the
+    loop's sizes, the faults it injected (only those set) and the run it re-scores."""
+    rows: list[list[Any]] = [["steps x samples", f"{config['n_steps']} x {config['n_samples']}"]]
+    for section in ("env", "agent", "judge", "trainer"):
+        choice = config.get(section) or {}
+        settings = ", ".join(f"{k}={v}" for k, v in sorted((choice.get("settings") or {}).items()))
+        rows.append([section, choice.get("kind", "") + (f" ({settings})" if settings else "")])
+    rows.append(["rubric", config["rubric"]["name"]])
+    faults = {k: v for k, v in (config.get("faults") or {}).items() if v not in (None, 0, 0.0, [], {})}
+    if faults:
+        rows.append(["faults injected", ", ".join(f"{k}={v}" for k, v in sorted(faults.items()))])
+    if config.get("source_run"):
+        rows.append(["re-scores", config["source_run"]])
+    return rows
+
+
+def ledger_html(book: dict[str, Any], judge_kind: str) -> str:
+    """The judge ledger, or one sentence when the judge makes no billed requests."""
+    if judge_kind == "none":
+        return "<p>no judge: rewards are the verifier's</p>"
+    if book["requests"] == 0:
+        return (
+            f"<p>{book['judge_calls']} judge calls; the {html.escape(judge_kind)} judge sends no HTTP requests, "
+            "so there are no tokens or cost to account for</p>"
+        )
     rows = [[k.replace("_", " "), v] for k, v in book.items() if k != "saved"]
-    return rows + [[f"saved: {k.replace('_', ' ')}", v] for k, v in book["saved"].items()]
+    rows += [[f"saved: {k.replace('_', ' ')}", v] for k, v in book["saved"].items()]
+    return _table(["", "value"], rows)
+
+
+def skipped_rows(trials: list[dict[str, Any]]) -> list[list[Any]]:
+    """Each skipped trial: its step, id, failed phase, exception type and root cause."""
+    return [
+        [
+            t["step"],
+            t["trial_id"],
+            (t["error_message"] or "").split(":", 1)[0] if not t["error_type"] else t["error_type"],
+            t["root_cause"] or t["error_message"] or "",
+        ]
+        for t in trials
+        if t["status"] == "skipped"
+    ]
 
 
 def write_report(
-    path: Path, summary: dict[str, Any], run: Any, attempts: list[dict[str, Any]], steps: list[dict[str, Any]]
+    path: Path,
+    summary: dict[str, Any],
+    run: Any,
+    attempts: list[dict[str, Any]],
+    steps: list[dict[str, Any]],
+    *,
+    trials: list[dict[str, Any]] | None = None,
+    metrics: list[dict[str, Any]] | None = None,
 ) -> None:
     """Write the report of one run to `path`."""
+    with_turns = any(s["mean_turns"] for s in steps)
     step_rows = [
         [
             s["step"],
             f"{s['n_trials']}/{s['n_specs']}",
             s["mean_reward"],
-            s["mean_turns"],
+            *([s["mean_turns"]] if with_turns else []),
             f"v{s['weights_version']}",
             f"{s['wall_s']:.2f}",
             s["driver_attempt"],
-            ", ".join(sorted(s["failed_trials"])) or "-",
+            len(s["failed_trials"]) or "-",
         ]
         for s in steps
     ]
+    header = ["step", "trials", "mean reward", *(["mean turns"] if with_turns else []), "weights", "wall s"]
+    header += ["driver attempt", "skipped"]
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.started_at)) if run.started_at else "-"
-    config = ", ".join(f"{k}={v}" for k, v in run.config.items())
+    skipped = skipped_rows(trials or [])
+    plot_title = "mean reward and mean turns per step" if with_turns else "mean reward per step"
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>durable-rl run {html.escape(run.run_id)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:60em}}table{{border-collapse:collapse;margin:1em 0}}
@@ -69,15 +131,17 @@ td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:right}}th{{background:
 <body><h1>run {html.escape(run.run_id)}: {html.escape(summary["status"])}</h1>
 <p>started {started} (durable: the same on every driver attempt) ·
 driver attempts {len(attempts)}</p>
-<p><small>{html.escape(config)}</small></p>
+{_table(["setting", "value"], config_rows(run.config))}
 <h2>steps</h2>
-{_table(["step", "trials", "mean reward", "mean turns", "weights", "wall s", "driver attempt", "skipped"], step_rows)}
-<h2>mean reward and mean turns per step</h2>
-{_plot_svg(steps) if steps else "<p>no step completed</p>"}
+{_table(header, step_rows)}
+<h2>{plot_title}</h2>
+{plot_svg(steps, metrics) if steps else "<p>no step completed</p>"}
+<h2>skipped trials</h2>
+{_table(["step", "trial", "error", "root cause"], skipped) if skipped else "<p>none</p>"}
 <h2>counters</h2>
 {_table(["counter", "value"], [[k, v] for k, v in summary["counters"].items()])}
 <h2>judge ledger</h2>
-{_table(["", "value"], _ledger_rows(summary["ledger"]))}
+{ledger_html(summary["ledger"], run.config["judge"]["kind"])}
 </body></html>
 """
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,141 @@
+"""Export: one row per trial, read back complete, for a secret-hunt run (retries and reuse), a
+Harbor run (skipped trials with their causes) and a user's own environment; the Parquet file is
+read with pyarrow, the JSON Lines with plain json, the datasets folder with `datasets`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from conftest import FAST, Cli
+
+from durable_rl._engine._store import Store
+from durable_rl._views import recorded, trial_details
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "examples" / "harbor-tasks"
+EXAMPLE = ROOT / "examples" / "custom_env"
+
+
+def _export_all(cli: Cli, run_id: str) -> dict[str, list[dict[str, Any]]]:
+    import datasets
+    import pyarrow.parquet as pq
+
+    found = {}
+    for fmt, suffix in (("jsonl", ".jsonl"), ("parquet", ".parquet"), ("hf", "-hf")):
+        out = cli.cwd / "exports" / f"{run_id}{suffix}"
+        proc = cli.run("export", run_id, "--format", fmt, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("exported ")
+        if fmt == "jsonl":
+            found[fmt] = [json.loads(line) for line in out.read_text().splitlines()]
+        elif fmt == "parquet":
+            found[fmt] = pq.read_table(out).to_pylist()
+        else:
+            found[fmt] = datasets.load_from_disk(str(out)).to_list()
+    return found
+
+
+def _pairs(numbers: dict[str, float]) -> list[dict[str, Any]]:
+    return [{"name": k, "value": v} for k, v in numbers.items()]
+
+
+def _check(cli: Cli, run_id: str) -> dict[str, dict[str, Any]]:
+    """Every recorded trial is exported, in every format, with what the record says of it."""
+    store = Store(cli.db)
+    truth = {t["trial_id"]: t for t in trial_details(store, run_id)}
+    exported = _export_all(cli, run_id)
+    for fmt, rows in exported.items():
+        assert [r["trial_id"] for r in rows] == sorted(truth, key=lambda k: (truth[k]["step"], k)), fmt
+        for row in rows:
+            t = truth[row["trial_id"]]
+            comps = row["components"] if fmt == "jsonl" else {p["name"]: p["value"] for p in row["components"]}
+            assert (row["run_id"], row["step"], row["status"], row["reward"]) == (
+                run_id,
+                t["step"],
+                t["status"],
+                t["reward"],
+            )
+            assert comps == t["rewards"], fmt
+            assert (row["attempts_generate"], row["attempts_judge"]) == tuple(t["attempts"].values())
+            assert [f["error"] for f in row["failures"]] == [f["error"] for f in t["failures"]]
+            assert (row["error"], row["error_type"], row["root_cause"]) == (
+                t["error_message"],
+                t["error_type"],
+                t["root_cause"],
+            )
+            assert row["prompt"] and row["instruction"] and row["group"] == row["trial_id"].rsplit("-n", 1)[0]
+            traj = recorded(store, t["generate_identity"])
+            if traj is None:  # skipped before a trajectory was recorded
+                assert row["turns"] == [] and row["weights_version"] is None
+                continue
+            assert row["weights_version"] == traj["weights_version"]
+            assert [x["content"] for x in row["turns"]] == [x["content"] for x in traj["turns"]]
+            assert [x["token_ids"] for x in row["turns"]] == [x["token_ids"] for x in traj["turns"]]
+            assert [x["logprobs"] for x in row["turns"]] == [x["logprobs"] for x in traj["turns"]]
+            calls = [c for x in traj["turns"] for c in x["tool_calls"]]
+            assert [
+                (c["name"], json.loads(c["arguments"]), c["result"]) for x in row["turns"] for c in x["tool_calls"]
+            ] == [(c["name"], c["arguments"], c["result"]) for c in calls]
+            roles = [m["role"] for m in row["messages"]]
+            assert roles.count("user") == 1 and roles.count("assistant") == len(traj["turns"])
+            assert roles.count("tool") == len(calls)
+            assert row["passed"] == traj["verdict"]["passed"]
+    assert exported["parquet"] == exported["hf"]
+    return {r["trial_id"]: r for r in exported["jsonl"]}
+
+
+def test_a_secret_hunt_run_with_retries_and_reuse(cli: Cli) -> None:
+    cli.json("train", "--run-id", "base", "--n-steps", "2", *FAST, "--flaky-trial-rate", "0.25")
+    cli.json("rescore", "--rubric", "v2-efficiency", "--from", "base", "--run-id", "v2")
+    rows = _check(cli, "base")
+    assert len(rows) == 12 and any(r["attempts_generate"] == 2 and r["failures"] for r in rows.values())
+    assert all(r["judge_model"] == "simulated-judge" and r["judge_scores"] for r in rows.values())
+    reused = _check(cli, "v2")
+    assert sum("generate" in r["reused"] for r in reused.values()) == 6  # step 0's rollouts, exported too
+
+
+def test_a_harbor_run_with_skipped_trials(cli: Cli) -> None:
+    cli.json("train", "--run-id", "h", "--tasks", str(TASKS), "--n-steps", "1", "--n-samples", "1")
+    rows = _check(cli, "h")
+    assert len(rows) == 6
+    skipped = {k: r for k, r in rows.items() if r["status"] == "skipped"}
+    assert sorted(skipped) == ["s0-garbage-reward-n0", "s0-verifier-timeout-n0"]
+    assert all(r["error_type"] == "VerificationFailed" and r["attempts_generate"] == 2 for r in skipped.values())
+    assert rows["s0-text-search-n0"]["reward"] == 1.0 and rows["s0-text-search-n0"]["judge_model"] is None
+
+
+def test_a_custom_environment_run(tmp_path: Path) -> None:
+    user = Cli(EXAMPLE, f"sqlite:///{tmp_path / 'state.sqlite'}")
+    user.json(
+        "train",
+        "--config",
+        "run.toml",
+        "--run-id",
+        "c",
+        "--n-steps",
+        "1",
+        "--set",
+        "agent.latency=0.01",
+        "--set",
+        "judge.latency=0.01",
+    )
+    exported = Cli(tmp_path, user.db)  # exported from elsewhere: the run's recorded python_path finds its plug-ins
+    rows = _check(exported, "c")
+    assert len(rows) == 12 and all(r["status"] == "ok" for r in rows.values())
+
+
+def test_a_bad_format_writes_nothing(cli: Cli) -> None:
+    cli.json("train", "--run-id", "x", "--n-steps", "1", *FAST)
+    proc = cli.run("export", "x", "--format", "csv")
+    assert proc.returncode == 2 and "--format 'csv'" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (cli.cwd / ".durable-rl" / "exports").exists()
+    assert cli.run("export", "nope").returncode == 2
+
+
+def test_default_output_path(cli: Cli) -> None:
+    cli.json("train", "--run-id", "y", "--n-steps", "1", *FAST)
+    proc = cli.run("export", "y")
+    assert proc.returncode == 0
+    assert (cli.cwd / ".durable-rl" / "exports" / "y.jsonl").is_file()

@@ -1,0 +1,145 @@
+"""Seeing a run while it runs: progress from the record (plain lines off a terminal, never on stdout
+under --json), Ctrl-C that stops cleanly and says how to resume, and `watch` from another process,
+on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CLEAN_V1, FAST, Cli, figures
+
+from durable_rl._engine._store import Store
+from durable_rl._progress import Follower
+from durable_rl._sandbox._workspace import trials_dir_for
+
+SLOW = ["--turn-latency", "0.15", "--judge-latency", "0.2"]
+
+
+def test_plain_progress_lines_between_the_step_lines(cli: Cli) -> None:
+    proc = cli.run("train", "--run-id", "p", "--n-steps", "2", *SLOW)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    steps = [i for i, line in enumerate(lines) if line.startswith("step ")]
+    assert [lines[i] for i in steps] == [
+        "step 0: trials 6/6 · mean reward 1.601 · mean turns 4.67 · weights v1 · driver attempt 1",
+        "step 1: trials 6/6 · mean reward 2.323 · mean turns 2.17 · weights v2 · driver attempt 1",
+    ]
+    progress = [line for line in lines[: steps[0]] if line.startswith("  … step 0 [1/2]")]
+    assert progress, proc.stdout  # trials finishing in step 0 showed before its line
+    assert any("/6 trials done" in p and "in flight" in p and "judge calls" in p and "ETA" in p for p in progress)
+
+
+def test_json_keeps_stdout_for_json(cli: Cli) -> None:
+    proc = cli.run("train", "--run-id", "j", "--n-steps", "1", *SLOW, "--json")
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout)["status"] == "succeeded"  # stdout is exactly one JSON object
+    assert "  … step 0 [1/1]" in proc.stderr and "step 0: trials 6/6" in proc.stderr
+
+
+@pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c-in-a-terminal", "sigint-to-the-cli"])
+def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path: Path, to_group: bool) -> None:
+    db = f"sqlite:///{tmp_path / 'elsewhere' / 'runs.sqlite'}"  # not the default: the command names it
+    cli = Cli(tmp_path, db)
+    proc = cli.popen("train", "--run-id", "stopped", *SLOW)
+    store = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # mid-run: step 0 recorded, step 1's trials running
+        if Path(db.removeprefix("sqlite:///")).exists():
+            store = Store(db)
+            if any(e["key"].startswith("s1-") for e in store.events("stopped", "generate_attempt")):
+                break
+        time.sleep(0.05)
+    assert store is not None
+    (os.killpg if to_group else os.kill)(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"stopped run stopped; to finish it: durable-rl --db {db} resume stopped"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # no driver left behind
+    trials = trials_dir_for(tmp_path / "elsewhere")
+    assert not trials.exists() or list(trials.iterdir()) == []  # working copies cleaned up on the way out
+    assert cli.json("runs")[0]["status"] == "interrupted"
+    assert not [e for e in store.events("stopped") if e["kind"].endswith("_failed")]  # a stop is not a failure
+    out = cli.json("resume", "stopped")
+    assert out["status"] == "succeeded" and figures(out) == CLEAN_V1
+
+
+def test_the_resume_command_omits_the_default_database(cli: Cli) -> None:
+    proc = cli.popen("train", "--run-id", "d", *SLOW)
+    time.sleep(4)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().endswith("to finish it: durable-rl resume d"), err
+
+
+def _wait_for_run(cli: Cli, run_id: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(r["run_id"] == run_id for r in cli.json("runs")):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"run {run_id} was never recorded")
+
+
+def test_watch_from_another_process_until_the_run_ends(cli: Cli) -> None:
+    cli.json("train", "--run-id", "earlier", "--n-steps", "1", *FAST)  # the database exists before watching
+    train = cli.popen("train", "--run-id", "w", "--n-steps", "3", *SLOW, "--json")
+    _wait_for_run(cli, "w")
+    watched = cli.run("watch", "w", timeout=120)
+    follow = cli.run("watch", "w", "--json", timeout=120)  # the run is over by now: it replays the record
+    train.communicate(timeout=120)
+    assert train.returncode == 0 and watched.returncode == 0, watched.stderr
+    assert [line for line in watched.stdout.splitlines() if line.startswith("step ")] == [
+        f"step {n}: trials 6/6 · mean reward {r} · mean turns {t} · weights v{v} · driver attempt 1"
+        for n, (r, t, _, v) in enumerate(CLEAN_V1)
+    ]
+    assert "  … step " in watched.stdout and watched.stdout.strip().endswith("run w succeeded: 3/3 steps")
+    records = [json.loads(line) for line in follow.stdout.splitlines()]
+    assert [r["step"] for r in records if r["type"] == "step"] == [0, 1, 2]
+    assert records[-1]["type"] == "summary" and figures(records[-1]) == CLEAN_V1
+
+
+@pytest.mark.postgres
+def test_watch_a_postgres_run_while_it_runs(pg_cli: Cli) -> None:
+    train = pg_cli.popen("train", "--run-id", "pgw", "--n-steps", "2", *SLOW, "--json")
+    _wait_for_run(pg_cli, "pgw")
+    records = []
+    watch = pg_cli.popen("watch", "pgw", "--json")
+    assert watch.stdout is not None
+    for line in watch.stdout:
+        records.append(json.loads(line))
+    watch.communicate(timeout=60)
+    train.communicate(timeout=120)
+    progress = [r for r in records if r["type"] == "progress"]
+    assert progress and any(0 < r["done"] < 6 for r in progress)  # seen mid-step, not only at the end
+    assert [r["step"] for r in records if r["type"] == "step"] == [0, 1]
+    assert records[-1]["type"] == "summary" and records[-1]["status"] == "succeeded"
+
+
+def test_a_follower_sees_a_finished_trial_on_its_next_poll(tmp_path: Path) -> None:
+    store = Store.create(f"sqlite:///{tmp_path / 's.sqlite'}")
+    store.create_run("r", json.dumps({"n_steps": 2, "units": {"generate": {"retries": 0}}}))
+    follower = Follower(store, "r")
+    store.event("r", "step_started", "s0", attempt=1, detail=json.dumps({"n_trials": 3}))
+    for key in ("s0-a-n0", "s0-b-n0", "s0-c-n0"):
+        store.event("r", "generate_attempt", key, attempt=0)
+    store.event("r", "generate_failed", "s0-c-n0", attempt=0, detail="TimeoutError: too slow")
+    store.event("r", "generate_done", "s0-a-n0", attempt=0, seconds=1.0)
+    store.event("r", "verify_and_judge_attempt", "s0-a-n0", attempt=0)
+    store.event("r", "judge_call", "s0-a-n0")
+    assert follower.poll() == []
+    step = follower.current()
+    assert step is not None and step.n_trials == 3
+    assert step.counts(follower.retries) == {"done": 0, "in_flight": 2, "retried": 1, "skipped": 1}
+    store.event("r", "verify_and_judge_done", "s0-a-n0", attempt=0, seconds=0.5)
+    follower.poll()
+    assert step.counts(follower.retries)["done"] == 1 and "s0-a-n0" in follower.seen
+    line = follower.status_line(time.time())
+    assert step.judge_calls == 1 and line.startswith("  … step 0 [1/2] · 1/3 trials done · 1 in flight")
+    assert "slowest s0-a-n0 1.5 s" in line  # its recorded generate + judge seconds, longer than b has run

@@ -1,0 +1,186 @@
+"""Experiment logging against the real libraries, offline: TensorBoard event files read back,
+a local MLflow file store, W&B offline run files and Trackio's local database. Each step is
+logged exactly once, with the values of the run's metrics table, across a driver replay and
+across a SIGKILL of everything followed by `resume`."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from conftest import FAST, Cli
+
+from durable_rl._engine._store import Store
+
+ALL = ["--log", "tensorboard", "--log", "mlflow", "--log", "wandb", "--log", "trackio"]
+Logged = dict[tuple[int, str], list[float]]  # (step, metric) -> every value logged for it
+
+
+@pytest.fixture(autouse=True)
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+
+
+def _tensorboard(state: Path, run_id: str) -> Logged:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    found: Logged = defaultdict(list)
+    for events in glob.glob(str(state / "tensorboard" / run_id / "events.out.tfevents.*")):
+        acc = EventAccumulator(events)  # each file alone: a step logged by two processes shows twice
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:  # scalars as TensorBoard's own writer stores them
+            for e in acc.Tensors(tag):
+                found[(e.step, tag)].append(float(make_ndarray(e.tensor_proto).item()))
+    return found
+
+
+def _mlflow(state: Path, run_id: str) -> Logged:
+    from mlflow.tracking import MlflowClient
+
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    client = MlflowClient(tracking_uri=(state / "mlruns").resolve().as_uri())
+    exp = client.get_experiment_by_name("durable-rl")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`durable_rl.run_id` = '{run_id}'")
+    found: Logged = defaultdict(list)
+    for name in run.data.metrics:
+        for m in client.get_metric_history(run.info.run_id, name):
+            found[(m.step, name)].append(m.value)
+    return found
+
+
+def _wandb_records(path: str) -> list[bytes]:
+    """The records of a W&B run file: LevelDB's log format (32 KiB blocks of checksummed chunks)
+    behind W&B's 7-byte header; wandb no longer ships a Python reader for it."""
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, chunk, out = 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            out.append(chunk)
+            chunk = b""
+    return out
+
+
+def _wandb(state: Path, run_id: str) -> Logged:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    found: Logged = defaultdict(list)
+    for path in glob.glob(str(state / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb")):
+        for raw in _wandb_records(path):
+            record = pb.Record()
+            record.ParseFromString(raw)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            step = items.pop("_step")
+            for name, value in items.items():
+                if not name.startswith("_"):
+                    found[(step, name)].append(value)
+    return found
+
+
+def _trackio(run_id: str) -> Logged:
+    # in a process of its own: trackio reads TRACKIO_DIR once, when it is imported
+    code = (
+        "import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; "
+        "print(json.dumps(S.get_logs(*sys.argv[1:])))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "durable-rl", run_id], capture_output=True, text=True, check=True
+    )
+    found: Logged = defaultdict(list)
+    for row in json.loads(proc.stdout.strip().splitlines()[-1]):
+        for name, value in row.items():
+            if name not in ("step", "timestamp") and not name.startswith("_"):
+                found[(row["step"], name)].append(value)
+    return found
+
+
+def _read_back(cli: Cli, run_id: str) -> dict[str, Logged]:
+    state = Path(cli.db.removeprefix("sqlite:///")).parent
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the trackers' own deprecation notices are not ours
+        return {
+            "tensorboard": _tensorboard(state, run_id),
+            "mlflow": _mlflow(state, run_id),
+            "wandb": _wandb(state, run_id),
+            "trackio": _trackio(run_id),
+        }
+
+
+def _assert_logged_once_as_recorded(cli: Cli, run_id: str, n_steps: int) -> None:
+    table = cli.json("show", run_id, "--metrics")
+    assert [r["step"] for r in table] == list(range(n_steps))
+    expected = {(r["step"], name): value for r in table for name, value in r["metrics"].items()}
+    assert "reward/mean" in table[0]["metrics"] and "time/overhead" in table[0]["metrics"]
+    for backend, found in _read_back(cli, run_id).items():
+        assert set(found) == set(expected), (backend, set(found) ^ set(expected))
+        for key, values in found.items():
+            assert len(values) == 1, (backend, key, values)  # never twice
+            assert values[0] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), (backend, key)
+
+
+def test_every_backend_logs_each_step_once_across_a_driver_replay(cli: Cli) -> None:
+    out = cli.json("train", "--run-id", "r", *FAST, "--crash-driver-at-step", "1", "--flaky-trial-rate", "0.25", *ALL)
+    assert out["counters"]["driver_attempts"] == 2  # steps 0 and 1 were replayed by the second driver
+    _assert_logged_once_as_recorded(cli, "r", 3)
+    metrics = cli.json("show", "r", "--metrics")
+    assert sum(m["metrics"].get("errors/InjectedFailure", 0) for m in metrics) == 6
+    assert [m["metrics"]["reward/mean"] for m in metrics] == pytest.approx([1.601, 2.323, 2.352], abs=5e-4)
+
+
+def _marked(cli: Cli, run_id: str) -> int:
+    import sqlalchemy as sa
+
+    store = Store(cli.db)
+    if not sa.inspect(store.engine).has_table("drl_logged"):
+        return 0
+    with store.engine.connect() as c:
+        return int(c.execute(sa.text("select count(*) from drl_logged where run_id = :r"), {"r": run_id}).scalar_one())
+
+
+def test_sigkill_everything_then_resume_logs_no_step_twice(cli: Cli) -> None:
+    proc = cli.popen(
+        "train", "--run-id", "k", "--n-steps", "4", "--turn-latency", "0.4", "--judge-latency", "0.5", *ALL
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        db = Path(cli.db.removeprefix("sqlite:///"))
+        if db.exists() and len(Store(cli.db).steps("k")) >= 2 and _marked(cli, "k") >= 8:
+            break  # steps 0 and 1 logged to all four and marked, step 2 running
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert cli.json("runs")[0]["status"] == "interrupted"
+    out = cli.json("resume", "k")  # no --log: the run's record says where it logs
+    assert out["status"] == "succeeded"
+    _assert_logged_once_as_recorded(cli, "k", 4)
+
+
+def test_an_unknown_or_missing_backend_is_refused_before_anything_is_written(cli: Cli) -> None:
+    proc = cli.run("train", "--log", "neptune")
+    assert proc.returncode == 2 and "--log 'neptune': expected one of" in proc.stderr
+    assert not (cli.cwd / ".durable-rl").exists()

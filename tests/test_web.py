@@ -1,0 +1,117 @@
+"""The web view in a real headless browser (Debian's chromium driven by playwright): the runs of
+the demo's failure-injected run, its steps and plot, a trial's whole trajectory, live updates of
+a running run, and a rescore beside its source. Screenshots are taken and checked."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import FAST, FAULTS, Cli
+
+from durable_rl._engine._store import Store
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SHOTS = Path(__file__).resolve().parents[1] / ".durable-rl" / "screenshots"  # kept for a person to look at
+
+
+def _serve(cli: Cli) -> Iterator[str]:
+    proc = cli.popen("ui", "--port", "0")
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("durable-rl ui: http://127.0.0.1:"), line + (proc.stderr.read() if proc.stderr else "")
+    try:
+        yield line.split()[2]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (.ci/run does)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()
+
+
+def _shot(page: object, tmp: Path, name: str) -> None:
+    path = tmp / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)  # type: ignore[attr-defined]
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name  # a rendered page, not a blank one
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, SHOTS / path.name)
+
+
+def test_the_demo_run_its_steps_and_a_trials_full_trajectory(cli: Cli, browser: object, tmp_path: Path) -> None:
+    out = cli.json("train", "--run-id", "demo", "--n-steps", "2", *FAST, *FAULTS)
+    assert out["status"] == "succeeded"
+    for url in _serve(cli):
+        page = browser.new_page()  # type: ignore[attr-defined]
+        page.goto(url)
+        page.get_by_role("link", name="demo").click()
+        page.wait_for_selector("table.steps")
+        rows = page.locator("table.steps tbody tr")
+        assert rows.count() == 2
+        assert "1.601" in rows.nth(0).inner_text() and "2.323" in rows.nth(1).inner_text()
+        assert page.locator(".plot svg").count() == 1
+        assert page.locator("table.trials tbody tr").count() == 12
+        _shot(page, tmp_path, "run")
+        retried = Store(cli.db).events("demo", "generate_failed")[0]["key"]  # a trial that failed once, then passed
+        page.get_by_role("link", name=retried, exact=True).click()
+        page.wait_for_selector(".turn")
+        text = page.inner_text("body")
+        traj = next(t for t in cli.json("show", "demo", "--trials") if t["trial_id"] == retried)
+        assert page.locator(".turn").count() == traj["info"]["turns"]
+        assert "tool call read_file" in text and "secret_sha256" in text  # calls and what they returned
+        assert "InjectedFailure" in text  # the failed attempt, with its error
+        assert "verifier" in text and "correctness" in text  # the verdict and the judge's rubric scores
+        _shot(page, tmp_path, "trial")
+
+
+def test_a_running_runs_page_updates_without_reload(cli: Cli, browser: object, tmp_path: Path) -> None:
+    cli.json("train", "--run-id", "first", "--n-steps", "1", *FAST)  # the database exists before the server
+    proc = cli.popen("train", "--run-id", "live", "--n-steps", "3", "--turn-latency", "0.15", "--judge-latency", "0.2")
+    try:
+        for url in _serve(cli):
+            page = browser.new_page()  # type: ignore[attr-defined]
+            page.goto(url + "runs/live")
+            page.evaluate("window.marker = 'same page'")
+            page.wait_for_function("document.querySelectorAll('table.steps tbody tr').length >= 2", timeout=90_000)
+            assert page.evaluate("window.marker") == "same page"  # updated in place, never reloaded
+            assert page.locator(".plot svg").count() == 1
+            _shot(page, tmp_path, "live")
+    finally:
+        proc.communicate(timeout=120)
+    assert proc.returncode == 0
+
+
+def test_a_rescore_beside_its_source(cli: Cli, browser: object, tmp_path: Path) -> None:
+    cli.json("train", "--run-id", "base", "--n-steps", "2", *FAST)
+    cli.json("rescore", "--rubric", "v2-efficiency", "--from", "base", "--run-id", "v2")
+    for url in _serve(cli):
+        page = browser.new_page()  # type: ignore[attr-defined]
+        page.goto(url + "runs/v2")
+        page.get_by_role("link", name="compare side by side").click()
+        page.wait_for_selector("h1")
+        text = page.inner_text("body")
+        assert "base vs v2" in page.inner_text("h1")
+        assert text.count("same rollout") == 6 and text.count("different rollout") == 6  # step 0 reused
+        assert "1.601" in text and "2.391" in text
+        _shot(page, tmp_path, "compare")
