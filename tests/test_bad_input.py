@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -130,11 +131,19 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", "--judge-latency", "0.1", "--judge", "none"], "--judge-latency: the judge 'none' has no setting"),
         (["train", "--policy", "llm", "--agent", "bandit"], "--policy is the old name of --agent"),
         (["resume", "no-such-run"], "no run 'no-such-run'"),
+        (["fork", "kept", "--from-step", "5"], "has 1 trained steps to keep"),
+        (["fork", "no-such-run", "--from-step", "1"], "no run 'no-such-run'"),
+        (["export", "kept", "--out", "/nonexistent/dir/x.jsonl"], "/nonexistent does not exist"),
+        (["export", "kept", "--format", "xml"], "--format 'xml'"),
+        (["export", "no-such-run"], "no run 'no-such-run'"),
+        (["watch", "no-such-run"], "no run 'no-such-run'"),
+        (["ui", "--port", "99999"], "--port 99999"),
+        (["train", "--log", "nosuch"], "--log 'nosuch'"),
         (["rescore", "--rubric", "v2-efficiency", "--from", "no-such-run"], "no run 'no-such-run'"),
     ]
 
 
-N_CASES = 45
+N_CASES = 53
 
 
 def test_every_case_is_counted(tmp_path: Path) -> None:
@@ -219,3 +228,36 @@ def test_a_full_disk_or_a_read_only_state_folder_is_one_line_and_loses_nothing(t
         assert cli.json("train", "--run-id", "more", "--n-steps", "1", *FAST)["status"] == "succeeded"
     finally:
         unmount()
+
+
+def test_a_disk_that_fills_mid_run_stops_it_with_one_line_and_resume_finishes_it(tmp_path: Path) -> None:
+    from conftest import CLEAN_V1, figures
+
+    assert os.geteuid() == 0, "this test mounts a small tmpfs: run the suite as root, as CI does"
+    state = tmp_path / "state"
+    unmount = _mount_tmpfs(state, "48m")
+    try:
+        cli = Cli(tmp_path, f"sqlite:///{state / 'db' / 'state.sqlite'}")
+        proc = cli.popen("train", "--run-id", "full", "--turn-latency", "0.1", "--judge-latency", "0.1")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _has_step(cli.db, "full"):
+            time.sleep(0.05)
+        filler = state / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True, check=False)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert "Traceback" not in stderr, stderr[-3000:]
+        stopped = [line for line in stderr.splitlines() if "cannot be written" in line]
+        assert len(stopped) == 1 and "resume full" in stopped[0], stderr[-3000:]
+        filler.unlink()
+        out = cli.json("resume", "full")
+        assert out["status"] == "succeeded" and figures(out) == CLEAN_V1
+    finally:
+        unmount()
+
+
+def _has_step(url: str, run_id: str) -> bool:
+    try:
+        return any(name == "drl_steps" and rows for name, rows in _record(url))
+    except sa.exc.SQLAlchemyError:
+        return False

@@ -152,6 +152,7 @@ def test_json_mode_prints_only_json_on_stdout(cli: Cli) -> None:
         "worlds_reused",
         "train_steps_executed",
         "train_steps_reused",
+        "steps_inherited",
         "driver_attempts",
     }
     assert "step 0:" in proc.stderr

@@ -246,3 +246,34 @@ def test_the_llm_judge_scores_harbor_tasks_with_a_rubric_file_once(cli: Cli, tmp
     for t in trials.values():
         assert t["info"]["passed"] and t["reward"] == pytest.approx(t["rewards"]["reward"] + t["rewards"]["judge"])
         assert t["reward"] == pytest.approx(1.4)
+
+
+def test_an_answer_that_reached_the_process_is_never_paid_again_across_three_whole_tree_kills(
+    cli: Cli, server: ScriptedLLMServer
+) -> None:
+    server.script += [{"delay": 0.4}] * 400  # a slow judge: the kills land while answers arrive
+    args = ["--run-id", "kills", *_llm_args(server), "--n-samples", "4", "--n-steps", "2"]
+    seen = 0
+    for _ in range(3):
+        proc = cli.popen("resume", "kills") if seen else cli.popen("train", *args)
+        deadline = time.monotonic() + 60
+        while server.count() < seen + 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # some answers in flight, some just arrived
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        seen = server.count()
+    out = cli.json("resume", "kills")
+    assert out["status"] == "succeeded" and [s["n_trials"] for s in out["steps"]] == [12, 12]
+    with Store(cli.db).engine.connect() as conn:
+        import sqlalchemy as sa
+
+        from durable_rl._engine._store import ledger
+
+        rows = conn.execute(sa.select(ledger.c.request_id, ledger.c.outcome)).all()
+    answered = [r for r, outcome in rows if outcome == "answered"]
+    lost = sum(outcome == "sent" for _, outcome in rows)
+    assert len(answered) == len(set(answered)) == 24  # each judgment's answer was paid for once
+    assert 24 <= server.count() <= 24 + lost  # server requests = unique judgments + answers lost in flight
+    assert server.count() <= len(rows) and lost <= 3 * 16  # each request had its ledger row before it went
+    assert out["ledger"]["lost_answers"] == lost

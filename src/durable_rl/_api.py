@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from ._config import RunConfig
 from ._config_file import PLUGIN_SECTIONS, make_config, read_config_file, uses_module_plugins
-from ._engine._store import RunRow, Store, check_url, default_url
+from ._engine._store import RunRow, Store, check_url, creating, default_url
 from ._engine._supervisor import supervise
 from ._errors import UserError
 from ._loop import trial_specs
@@ -156,12 +156,13 @@ def record_run(url: str, config: RunConfig, run_id: str | None) -> Run:
     """Record a new run (nothing is written when the URL, the run id or the plan is bad); it has not started."""
     run_id = check_run_id(run_id if run_id is not None else new_run_id())
     check_plan(config)
-    check_url(url)
-    existing = Store.open_existing(url)
-    if existing is not None and existing.run(run_id) is not None:
-        raise UserError(f"run {run_id!r} already exists; `durable-rl resume {run_id}` finishes it")
-    store = Store.create(url)
-    store.create_run(run_id, config.model_dump_json())
+    with creating(url):
+        check_url(url)
+        existing = Store.open_existing(url)
+        if existing is not None and existing.run(run_id) is not None:
+            raise UserError(f"run {run_id!r} already exists; `durable-rl resume {run_id}` finishes it")
+        store = Store.create(url)
+        store.create_run(run_id, config.model_dump_json())
     return Run(store, run_id)
 
 
@@ -199,9 +200,10 @@ def open_run(run_id: str, *, db: str | Path | None = None) -> Run:
 def resume(run_id: str, *, db: str | Path | None = None, log: IO[str] | None = None) -> Run:
     """Finish a run whose processes died: recorded work is replayed, never redone."""
     run = open_run(run_id, db=db)
-    if run.status == "running":
-        raise UserError(f"run {run_id!r} is still running")
-    if run.row.status != "succeeded":
+    holder = run.store.lease_holder(run_id)
+    if holder is not None:
+        raise UserError(f"run {run_id!r} is being driven by {holder}")
+    if run.row.status != "succeeded":  # a finished run is left as it is: nothing is started
         run.store.set_status(run_id, "running")
         drive_to_end(run, log)
     return run

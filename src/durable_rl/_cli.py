@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,10 @@ from ._engine._store import Store, default_url, state_dir
 from ._engine._supervisor import supervise
 from ._errors import UserError
 from ._loop import trial_specs
+from ._progress import Background, Follower, watch_run
 from ._rubrics import load_rubric
+from ._tracking import Tracking, check_backends
+from ._views import step_metrics, trial_details
 
 app = typer.Typer(
     add_completion=False,
@@ -79,16 +83,26 @@ def _prices(specs: list[str]) -> dict[str, list[float]]:
     return prices
 
 
-def _launch(config: RunConfig, run_id: str | None, as_json: bool) -> None:
+def _launch(config: RunConfig, run_id: str | None, as_json: bool, log: list[str] | None = None) -> None:
     """Record a new run and supervise its driver to the end."""
     try:
         run = record_run(_state.url, config, run_id)
     except UserError as e:
         _fail(str(e))
-    _supervise_and_report(run.store, run.run_id, config, as_json)
+    for note in config.plugins().env.notes():
+        print(f"durable-rl: warning: {note}", file=sys.stderr)
+    _supervise_and_report(run.store, run.run_id, config, as_json, log or [])
 
 
-def _supervise_and_report(store: Store, run_id: str, config: RunConfig, as_json: bool) -> None:
+def _resume_command(run_id: str) -> str:
+    """The exact command that finishes the run, with --db when it is not the default database."""
+    db = "" if _state.url == default_url(Path.cwd()) else f"--db {_state.url} "
+    return f"durable-rl {db}resume {run_id}"
+
+
+def _supervise_and_report(
+    store: Store, run_id: str, config: RunConfig, as_json: bool, log: list[str] | None = None
+) -> None:
     lines = sys.stderr if as_json else sys.stdout
     if not as_json:
         plugins = (
@@ -97,9 +111,24 @@ def _supervise_and_report(store: Store, run_id: str, config: RunConfig, as_json:
         )
         n_trials = len(trial_specs(config.plugins().env, 0, config.n_samples))
         print(f"run {run_id}: {config.n_steps} steps x {n_trials} trials, {plugins}, state {_state.url}", flush=True)
-    ok = supervise(run_id, _state.url, config.driver_retries, lines)
+    tracking = Tracking(store, run_id, state_dir(_state.url, Path.cwd()), log or [])
+    # the record, not the driver, says what happens: progress and logged steps read it
+    progress = Background(Follower(store, run_id), lines, live=lines.isatty(), on_step=tracking.log_new_steps)
+    try:
+        ok = supervise(run_id, _state.url, config.driver_retries, subprocess.DEVNULL)
+    except KeyboardInterrupt:
+        progress.stop()
+        tracking.close()
+        print(f"stopped run {run_id}; to finish it: {_resume_command(run_id)}", file=sys.stderr, flush=True)
+        raise typer.Exit(130) from None
+    progress.stop()
+    tracking.close()
     summary = store.summary(run_id)
-    report = _write_report(store, run_id)
+    try:
+        report: Path | str = _write_report(store, run_id)
+    except OSError as e:  # a full or read-only state folder: the run's record says the rest
+        report = f"not written ({e.strerror or e})"
+        print(f"durable-rl: warning: the report was not written: {e.strerror or e}", file=sys.stderr)
     if as_json:
         print(json.dumps(summary))
     else:
@@ -113,7 +142,15 @@ def _write_report(store: Store, run_id: str) -> Path:
     from ._report import write_report  # matplotlib is slow to import; only here
 
     path = state_dir(_state.url, Path.cwd()) / "reports" / f"{run_id}.html"
-    write_report(path, store.summary(run_id), store.run(run_id), store.attempts(run_id), store.steps(run_id))
+    write_report(
+        path,
+        store.summary(run_id),
+        store.run(run_id),
+        store.attempts(run_id),
+        store.steps(run_id),
+        trials=trial_details(store, run_id),
+        metrics=step_metrics(store, run_id),
+    )
     return path
 
 
@@ -183,11 +220,16 @@ _FLAG_OF = (
 
 
 def _build_config(
-    config_file: Path | None, kinds: dict[str, str | None], given: dict[str, Any], sets: list[str]
+    config_file: Path | None,
+    kinds: dict[str, str | None],
+    given: dict[str, Any],
+    sets: list[str],
+    base: dict[str, Any] | None = None,
 ) -> RunConfig:
-    """The run's config: the file, then the kinds, top-level flags, shortcuts and `--set` on top."""
+    """The run's config: the file (or a recorded run's config), then the kinds, top-level flags,
+    shortcuts and `--set` on top."""
     try:
-        data = read_config_file(config_file) if config_file is not None else {}
+        data = read_config_file(config_file) if config_file is not None else dict(base or {})
         for section, kind in kinds.items():
             if kind is not None:
                 previous = data.get(section) or {}
@@ -285,9 +327,17 @@ def train(
     min_success_share: Annotated[float | None, typer.Option(help=_help("min_success_share"))] = None,
     group_policy: Annotated[str | None, typer.Option(help=_help("group_policy") + " (keep or drop)")] = None,
     driver_retries: Annotated[int | None, typer.Option(help=_help("driver_retries"))] = None,
+    log: Annotated[
+        list[str] | None,
+        typer.Option("--log", help="Log each step's metrics to tensorboard, mlflow, wandb or trackio (repeatable)."),
+    ] = None,
     as_json: _JSON = False,
 ) -> None:
     """Train: build the worlds, then run each step's trials, judge them and update the policy."""
+    try:
+        backends = check_backends(log or [])
+    except UserError as e:
+        _fail(str(e))
     if policy is not None and agent is not None:
         _fail("--policy is the old name of --agent: give one of them")
     if tasks is not None:
@@ -304,7 +354,7 @@ def train(
     if rubric is not None:
         path = Path(rubric)
         sets.append(f"rubric={json.dumps(str(path.resolve()) if path.is_file() else rubric)}")
-    _launch(_build_config(config_file, kinds, given, sets), run_id, as_json)
+    _launch(_build_config(config_file, kinds, given, sets), run_id, as_json, backends)
 
 
 @app.command()
@@ -328,13 +378,46 @@ def rescore(
     source = _run_or_fail(store, from_run).run(from_run)
     assert source is not None
     # the source's plug-ins and settings, a new rubric, and none of its injected faults
-    data = {**source.config, "rubric": new_rubric.model_dump(), "faults": {}, "source_run": from_run}
+    data = {**source.config, "rubric": new_rubric.model_dump(), "faults": {}, "source_run": from_run, "fork": None}
     try:
         config = make_config(data)
     except UserError as e:
         _fail(str(e))
     if not as_json:
         print(f"re-scoring {from_run} with rubric {new_rubric.name}", flush=True)
+    _launch(config, run_id, as_json)
+
+
+@app.command()
+def fork(
+    from_run: Annotated[str, typer.Argument(help="The run to fork.")],
+    from_step: Annotated[
+        int, typer.Option(help="The first step to run anew; the steps before it are kept exactly as recorded.")
+    ],
+    rubric: Annotated[str | None, typer.Option(help="A new rubric: a name or a TOML/YAML file.")] = None,
+    lr: Annotated[float | None, typer.Option(help="bandit trainer: a new learning rate.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE: any other new setting.")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,
+    as_json: _JSON = False,
+) -> None:
+    """Fork a run at a step: keep its steps before K as recorded (no re-execution) and run K onward
+    with new settings; work whose inputs did not change is reused by identity."""
+    store = _run_or_fail(_existing_store(), from_run)
+    source = store.run(from_run)
+    assert source is not None
+    kept = [s for s in store.steps(from_run) if s["step"] < from_step and s["error"] is None]
+    if from_step < 1 or len(kept) < from_step:
+        _fail(
+            f"--from-step {from_step}: run {from_run!r} has {len(kept)} trained steps to keep (fork at 1..{len(kept)})"
+        )
+    base = {**source.config, "faults": {}, "source_run": from_run, "fork": {"run_id": from_run, "step": from_step}}
+    sets = list(set_ or [])
+    if rubric is not None:
+        path = Path(rubric)
+        sets.append(f"rubric={json.dumps(str(path.resolve()) if path.is_file() else rubric)}")
+    config = _build_config(None, {}, {"lr": lr}, sets, base)
+    if not as_json:
+        print(f"forking {from_run} at step {from_step}", flush=True)
     _launch(config, run_id, as_json)
 
 
@@ -348,12 +431,13 @@ def resume(run_id: Annotated[str, typer.Argument(help="The run to finish.")], as
         config = RunConfig.model_validate(row.config)  # the recorded plug-ins, rebuilt
     except UserError as e:
         _fail(f"run {run_id!r} cannot be rebuilt: {e}")
-    if store.display_status(row) == "running":
-        _fail(f"run {run_id!r} is still running (driver pid {store.attempts(run_id)[-1]['pid']})")
-    if row.status == "succeeded" and not as_json:
-        print(f"run {run_id} already succeeded; nothing to resume")
-    if row.status != "succeeded":
-        store.set_status(run_id, "running")
+    holder = store.lease_holder(run_id)
+    if holder is not None:  # a live driver: a second one would only wait for it
+        _fail(f"run {run_id!r} is being driven by {holder}; `durable-rl show {run_id}` follows it")
+    if row.status == "succeeded":  # nothing to do, and nothing is started
+        print(json.dumps(store.summary(run_id)) if as_json else f"run {run_id} already succeeded; nothing to resume")
+        return
+    store.set_status(run_id, "running")
     _supervise_and_report(store, run_id, config, as_json)
 
 
@@ -419,13 +503,21 @@ def list_runs(as_json: _JSON = False) -> None:
 @app.command()
 def show(
     run_id: Annotated[str, typer.Argument(help="The run to show.")],
-    show_trials: Annotated[bool, typer.Option("--trials", help="Show each trial's result instead.")] = False,
+    show_trials: Annotated[
+        bool, typer.Option("--trials", help="Each trial instead: attempts, seconds per phase, errors, rewards.")
+    ] = False,
+    show_metrics: Annotated[
+        bool, typer.Option("--metrics", help="Each step's metrics instead, as `--log` logs them.")
+    ] = False,
     as_json: _JSON = False,
 ) -> None:
-    """Show a run: its steps and its counters, or with --trials each trial's result."""
+    """Show a run: its steps and its counters, or with --trials each trial, or with --metrics each step's metrics."""
     store = _run_or_fail(_existing_store(), run_id)
     if show_trials:
-        _show_trials(store.trials(run_id), as_json)
+        _show_trials(trial_details(store, run_id), as_json)
+        return
+    if show_metrics:
+        _show_metrics(step_metrics(store, run_id), as_json)
         return
     summary = store.summary(run_id)
     if as_json:
@@ -463,27 +555,138 @@ def _show_trials(rows: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
         print(json.dumps(rows))
         return
-    table = Table("trial", "reward", "rewards", "error", "timings s", "reported")
+    table = Table("trial", "status", "reward", "components", "attempts", "seconds", "error", "root cause", "reported")
     for t in rows:
         info = dict(t["info"])
         timings = info.pop("timings", {})
-        error = f"{t['error_type']}: {t['error_message']}" if t["error_type"] else (t["error_message"] or "")
+        seconds = {"generate": t["seconds"].get("generate"), "judge": t["seconds"].get("verify_and_judge"), **timings}
         table.add_row(
             t["trial_id"],
+            t["status"] + (" (reused)" if t["reused"] else ""),
             "" if t["reward"] is None else f"{t['reward']}",
             ", ".join(f"{k}={v}" for k, v in t["rewards"].items()),
-            error,
-            ", ".join(f"{k} {v:.2f}" for k, v in timings.items()),
+            f"generate {t['attempts']['generate']}, judge {t['attempts']['verify_and_judge']}",
+            ", ".join(f"{k} {v:.2f}" for k, v in seconds.items() if v is not None),
+            t["error_type"] or (t["failures"][-1]["error"].split(":")[0] + " (retried)" if t["failures"] else ""),
+            t["root_cause"] or "",
             ", ".join(f"{k}={v}" for k, v in info.items() if k != "rewards"),
         )
     Console().print(table)
+
+
+def _show_metrics(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows))
+        return
+    names = sorted({name for r in rows for name in r["metrics"]})
+    table = Table("metric", *[f"step {r['step']}" for r in rows])
+    for name in names:
+        table.add_row(name, *["" if name not in r["metrics"] else f"{r['metrics'][name]:g}" for r in rows])
+    Console().print(table)
+
+
+@app.command()
+def watch(
+    run_id: Annotated[str, typer.Argument(help="The run to follow.")],
+    log: Annotated[
+        list[str] | None, typer.Option("--log", help="Also log its steps to tensorboard, mlflow, wandb or trackio.")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object per line: progress, then the summary.")
+    ] = False,
+) -> None:
+    """Follow a run's progress from its record, from any terminal or machine, until it ends."""
+    store = _run_or_fail(_existing_store(), run_id)
+    try:
+        backends = check_backends(log or [])
+    except UserError as e:
+        _fail(str(e))
+    tracking = Tracking(store, run_id, state_dir(_state.url, Path.cwd()), backends) if backends else None
+    try:
+        watch_run(store, run_id, sys.stdout, as_json=as_json, on_step=tracking.log_new_steps if tracking else None)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    finally:
+        if tracking is not None:
+            tracking.close()
+
+
+@app.command()
+def export(
+    run_id: Annotated[str, typer.Argument(help="The run to export.")],
+    fmt: Annotated[
+        str, typer.Option("--format", help="jsonl, parquet, or hf (a Hugging Face datasets folder).")
+    ] = "jsonl",
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Where to write (default: .durable-rl/exports/RUN.*).")
+    ] = None,
+) -> None:
+    """Export a run's trials, one row per trial: ids, prompt, messages and tool calls, tokens, rewards, errors."""
+    from ._export import FORMATS, export_run
+
+    if fmt not in FORMATS:
+        _fail(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    store = _run_or_fail(_existing_store(), run_id)
+    if out is not None and not out.resolve().parent.parent.is_dir():  # its folder may be made, not a tree
+        _fail(f"--out {out}: the folder {out.resolve().parent.parent} does not exist")
+    if out is not None and out.is_dir() and fmt != "hf":
+        _fail(f"--out {out}: is a folder; name the file to write")
+    target = out or state_dir(_state.url, Path.cwd()) / "exports" / f"{run_id}{FORMATS[fmt]}"
+    try:
+        n = export_run(store, run_id, fmt, target)
+    except UserError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"--out {target}: cannot write it: {e.strerror or e}")
+    print(f"exported {n} trials of {run_id} to {target}")
+
+
+@app.command()
+def ui(
+    port: Annotated[int, typer.Option(help="Port on 127.0.0.1 (0: any free port).")] = 8765,
+) -> None:
+    """Serve a web view of the runs in the state database, on this machine only (127.0.0.1)."""
+    from ._web import serve
+
+    if not 0 <= port <= 65535:
+        _fail(f"--port {port}: expected 0 to 65535")
+    try:
+        serve(_state.url, port)
+    except UserError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
 
 
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
+# The CLI library's usage error (an unknown option or command, a value that does not parse): click's,
+# or the copy of click that newer typer releases carry; found through the one subclass typer exports.
+_UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
 def main() -> None:
-    """Entry point of the `durable-rl` command."""
+    """Entry point of the `durable-rl` command: a usage error or a bad input is one line and exit 2."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    app()
+    command = typer.main.get_command(app)
+    try:
+        # without standalone mode, an Exit raised by a command comes back as its exit code
+        code = command.main(prog_name="durable-rl", standalone_mode=False)
+    except _UsageError as e:
+        ctx = getattr(e, "ctx", None)
+        sub = ctx.command_path.removeprefix("durable-rl").strip() if ctx is not None else ""
+        message = " ".join(e.format_message().split())  # type: ignore[attr-defined]
+        if message:  # (no command at all has printed the help already)
+            print(f"durable-rl: error: {sub + ': ' if sub else ''}{message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+    except UserError as e:  # a bad input found past the checks of a command (e.g. a database gone)
+        print(f"durable-rl: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("durable-rl: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

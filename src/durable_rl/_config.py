@@ -38,6 +38,13 @@ class UnitOverride(_Frozen):
     timeout_s: float | None = Field(None, gt=0, le=7 * 86400, allow_inf_nan=False, description="Seconds per attempt.")
 
 
+class ForkPoint(_Frozen):
+    """Where a forked run leaves its source: steps before `step` are the source's, as recorded."""
+
+    run_id: str = Field(description="The source run.")
+    step: int = Field(ge=1, description="The first step the fork runs with its own settings.")
+
+
 class RunConfig(_Frozen):
     """Everything a run needs; the record a resumed or re-scoring run reads back."""
 
@@ -68,6 +75,7 @@ class RunConfig(_Frozen):
         default_factory=list, description="Folders that module:attr plug-ins are imported from."
     )
     source_run: str | None = Field(None, description="The run this one re-scores or forks, if any.")
+    fork: ForkPoint | None = Field(None, description="For a fork: its source run and the step it runs from.")
 
     @model_validator(mode="before")
     @classmethod
@@ -106,6 +114,8 @@ class RunConfig(_Frozen):
                 plugin.check_environment(p.env)
             except ValueError as e:
                 raise UserError(f"--{category} {plugin.kind!r}: {e}") from None
+        if self.fork is not None and self.fork.step >= self.n_steps:
+            raise UserError(f"--from-step {self.fork.step}: the run has steps 0 to {self.n_steps - 1}")
         if self.faults.crash_driver_at_step >= self.n_steps:
             raise UserError(
                 f"--crash-driver-at-step {self.faults.crash_driver_at_step}: past the last step ({self.n_steps - 1})"

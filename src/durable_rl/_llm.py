@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ._identity import identity
 from ._protocols import VOLATILE, PluginSettings
 
 
@@ -147,13 +148,20 @@ class ChatResult(BaseModel):
 class Observer(Protocol):
     """Told of every HTTP request: before it goes out, and how it ended."""
 
-    async def before_request(self, n: int) -> None: ...
+    async def recorded(self, request_id: str) -> ChatResult | None:
+        """An answer already paid for and recorded for this exact request, if any: it is not sent again."""
+        ...
+
+    async def before_request(self, n: int, request_id: str) -> None: ...
 
     async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None: ...
 
 
 class _Quiet:
-    async def before_request(self, n: int) -> None:
+    async def recorded(self, request_id: str) -> ChatResult | None:
+        return None
+
+    async def before_request(self, n: int, request_id: str) -> None:
         return None
 
     async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None:
@@ -227,6 +235,13 @@ async def chat(
         max_retries=0,  # retries are ours: each is announced to the observer
         timeout=endpoint.request_timeout_s,
     )
+    request_id = identity(
+        "chat", "1", {"base_url": endpoint.base_url, "model": endpoint.model, "messages": messages, "params": params}
+    )
+    paid = await observer.recorded(request_id)
+    if paid is not None:  # its answer reached us before (then a crash lost the rest): never pay twice
+        await client.close()
+        return paid
     limiter = _limiter(endpoint)
     deadline = time.monotonic() + endpoint.deadline_s
     delay = endpoint.backoff_s
@@ -238,7 +253,7 @@ async def chat(
             await limiter.start()
             async with limiter.slots:
                 n += 1
-                await observer.before_request(n)
+                await observer.before_request(n, request_id)
                 t0 = time.monotonic()
                 try:
                     raw = await client.chat.completions.with_raw_response.create(

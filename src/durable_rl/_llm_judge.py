@@ -134,10 +134,13 @@ class _CountingObserver:
     def __init__(self, inner: Observer | None) -> None:
         self.inner, self.n = inner, 0
 
-    async def before_request(self, n: int) -> None:
+    async def recorded(self, request_id: str) -> ChatResult | None:
+        return await self.inner.recorded(request_id) if self.inner is not None else None
+
+    async def before_request(self, n: int, request_id: str) -> None:
         self.n += 1
         if self.inner is not None:
-            await self.inner.before_request(self.n)
+            await self.inner.before_request(self.n, request_id)
 
     async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None:
         if self.inner is not None:

@@ -91,6 +91,8 @@ class Ops(Protocol):
 
     async def train_step(self, step: int, weights: Weights, rewards: list[Reward]) -> StepResult: ...
 
+    async def inherited_steps(self, source_run: str, before: int) -> list[StepRecord]: ...
+
     async def step_done(self, record: StepRecord) -> None: ...
 
 
@@ -158,7 +160,14 @@ async def drive(config: RunConfig, ops: Ops) -> list[StepResult]:
     worlds = await ops.build_worlds(plugins.env.world_ids())
     weights = plugins.trainer.initial_weights(plugins.env)  # deterministic, so step-0 rollouts are reusable
     history: list[StepResult] = []
-    for step in range(config.n_steps):
+    first = 0
+    if config.fork is not None:  # a fork keeps its source's first steps as recorded: nothing re-runs
+        for record in await ops.inherited_steps(config.fork.run_id, config.fork.step):
+            await ops.step_done(record)
+            weights = record.result.weights
+            history.append(record.result)
+        first = config.fork.step
+    for step in range(first, config.n_steps):
         t0 = time.monotonic()
         specs = trial_specs(plugins.env, step, config.n_samples)
         outcomes = apply_group_policy(await ops.fan_out(specs, weights, worlds), config.group_policy)

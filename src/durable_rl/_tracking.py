@@ -22,6 +22,8 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from ._engine._store import Store
+from ._engine._store import log_targets as targets
+from ._engine._store import logged_steps as logged
 from ._errors import UserError
 from ._views import step_metrics
 
@@ -32,23 +34,6 @@ BACKENDS = {  # backend -> (module it needs, extra that installs it)
     "trackio": ("trackio", "trackio"),
 }
 PROJECT = "durable-rl"
-
-_meta = sa.MetaData()
-targets = sa.Table(
-    "drl_log_targets",
-    _meta,
-    sa.Column("run_id", sa.String(200), primary_key=True),
-    sa.Column("backend", sa.String(40), primary_key=True),
-    sa.Column("ref", sa.String(300)),  # the backend's own id of the run, once it has one
-)
-logged = sa.Table(
-    "drl_logged",
-    _meta,
-    sa.Column("run_id", sa.String(200), primary_key=True),
-    sa.Column("backend", sa.String(40), primary_key=True),
-    sa.Column("step", sa.Integer, primary_key=True),
-    sa.Column("at", sa.Float, nullable=False),
-)
 
 
 def check_backends(names: list[str]) -> list[str]:
@@ -180,7 +165,6 @@ class Tracking:
 
     def __init__(self, store: Store, run_id: str, folder: Path, asked: list[str]) -> None:
         self.store, self.run_id, self.folder = store, run_id, folder
-        _meta.create_all(store.engine)
         with store.engine.begin() as c:
             known = dict(c.execute(sa.select(targets.c.backend, targets.c.ref).where(targets.c.run_id == run_id)).all())
             for name in asked:
@@ -210,8 +194,6 @@ class Tracking:
     @classmethod
     def recorded(cls, store: Store, run_id: str) -> list[str]:
         """The backends a run logs to, as recorded."""
-        if not sa.inspect(store.engine).has_table("drl_log_targets"):
-            return []
         with store.engine.connect() as c:
             return list(c.execute(sa.select(targets.c.backend).where(targets.c.run_id == run_id)).scalars())
 

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,7 +43,6 @@ class Process:
     url: str
     attempt: int
     out: Any
-    queues: dict[str, Any] = field(default_factory=dict)
 
 
 _proc: Process | None = None
@@ -62,7 +61,12 @@ def current() -> Process:
 
 
 async def db(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a blocking store call off the event loop, where trials and judges keep running."""
+    """Run a blocking store call off the event loop, where trials and judges keep running; a hot
+    write joins the store's next group commit (and returns once that is durable)."""
+    store = getattr(fn, "__self__", None)
+    if isinstance(store, Store) and fn.__name__ in Store.GROUPED:
+        result: T = await asyncio.wrap_future(store.submit(fn.__name__, *args, **kwargs))
+        return result
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
@@ -188,15 +192,20 @@ class _LedgerObserver:
         self.run_id, self.key, self.model, self.price = run_id, key, model, price
         self.rows: dict[int, int] = {}
 
-    async def before_request(self, n: int) -> None:
-        self.rows[n] = await db(current().store.ledger_sent, self.run_id, self.key, self.model, n)
+    async def recorded(self, request_id: str) -> ChatResult | None:
+        text = await db(current().store.ledger_answer, request_id)
+        return ChatResult.model_validate_json(text) if text is not None else None
+
+    async def before_request(self, n: int, request_id: str) -> None:
+        self.rows[n] = await db(current().store.ledger_sent, self.run_id, self.key, self.model, n, request_id)
 
     async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None:
         prompt = result.usage.prompt_tokens if result else 0
         completion = result.usage.completion_tokens if result else 0
         cost = (prompt * self.price[0] + completion * self.price[1]) / 1e6
         latency = result.latency_s if result else 0.0
-        await db(current().store.ledger_done, self.rows.pop(n), outcome, prompt, completion, cost, latency)
+        response = result.model_dump_json() if result else None  # the answer is durable with its ledger row
+        await db(current().store.ledger_done, self.rows.pop(n), outcome, prompt, completion, cost, latency, response)
 
 
 async def _judge_task_reused(run_id: str, key: str, args: dict[str, Any], config: RunConfig) -> None:
@@ -261,6 +270,16 @@ def _still_valid(unit: str, output: str) -> bool:
     return True
 
 
+def _output_link(config: RunConfig, unit: UnitName, ident: str, args: dict[str, Any]) -> str:
+    """Where a call's recorded output lies (its identity), and for a judged trial the judge's answer:
+    what a read view of the run follows from a trial to its trajectory, reward and judgment."""
+    link = {"identity": ident}
+    judge = config.plugins().judge if unit == "verify_and_judge" else None
+    if judge is not None:
+        link["judge_identity"] = _judge_memo_identity(args["traj"], config.rubric, judge.model)
+    return json.dumps(link)
+
+
 def describe_failure(error: BaseException) -> str:
     """'Type: message', with the root cause when another exception caused it."""
     text = f"{type(error).__name__}: {error}"
@@ -278,10 +297,14 @@ async def attempt_unit(
     if attempt == 0:
         recorded = await db(store.cache_get, ident)
         if recorded is not None and _still_valid(unit, recorded):
-            await db(store.event, run_id, f"{unit}_reused", key)
+            await db(store.event, run_id, f"{unit}_reused", key, detail=_output_link(config, unit, ident, args))
             if unit == "verify_and_judge":
                 await _judge_task_reused(run_id, key, args, config)
             return {"ok": True, "output": recorded}
+    if current().attempt > 1:  # a replay: an attempt that failed before the crash stays failed, not re-run
+        failed = await db(store.recorded_failure, run_id, f"{unit}_failed", key, attempt)
+        if failed is not None:
+            return {"ok": False, "error": failed}
     await db(store.event, run_id, f"{unit}_attempt", key, attempt=attempt)
     t0 = time.monotonic()
     timeout = _timeout(config, unit, args)
@@ -297,8 +320,28 @@ async def attempt_unit(
         error = describe_failure(e)
     else:
         text = output.model_dump_json()
-        done = {"kind": f"{unit}_done", "key": key, "attempt": attempt, "seconds": time.monotonic() - t0}
+        done = {
+            "kind": f"{unit}_done",
+            "key": key,
+            "attempt": attempt,
+            "seconds": time.monotonic() - t0,
+            "detail": _output_link(config, unit, ident, args),
+        }
         await db(store.cache_put, ident, unit, text, run_id, done)
         return {"ok": True, "output": text}
     await db(store.event, run_id, f"{unit}_failed", key, attempt=attempt, seconds=time.monotonic() - t0, detail=error)
     return {"ok": False, "error": error}
+
+
+async def run_unit(run_id: str, unit: UnitName, key: str, args_json: str) -> dict[str, Any]:
+    """A unit call: a recorded output of the same identity, else attempts until one succeeds or
+    its retries are spent; the outcome (never an exception) is {"ok", "output" | "error"}."""
+    config = run_config(run_id)
+    policy = policy_of(UNITS[unit])
+    ident = identity(policy.name, policy.version, identity_inputs(config, unit, json.loads(args_json)))
+    result: dict[str, Any] = {}
+    for attempt in range(retries(config, unit) + 1):
+        result = await attempt_unit(run_id, unit, key, ident, args_json, attempt)
+        if result["ok"]:
+            break
+    return result

@@ -1,77 +1,47 @@
-"""DBOS wiring: the run, each trial and each unit call are workflows; each attempt is a step.
+"""DBOS wiring: the run is one workflow; each trial, world build and training step is a DBOS
+step of it, the trials of a step running at once.
 
-- A unit call is a workflow enqueued on its tier's queue (sandbox, judge, trainer), so its
-  concurrency is the queue's and any process listening on the queue may run it.
-- Inside it: a cache lookup by identity, then attempts, each a DBOS step whose outcome is
-  recorded; a failed attempt is retried, a timed-out one is cancelled and counts as failed.
-- The judge call is recorded in the cache the moment it returns, under its own identity, so a
-  retried judge task, a replayed driver and any later run find it instead of paying again.
+- Step ids are reserved in spec order before the trials start (`DBOS.reserve_step`), so a replay
+  finds each trial's recorded outcome whatever order they finished in.
+- Inside a trial's step, its units (generate, then verify_and_judge) run in this process under
+  their tier's limit (an asyncio semaphore: sandbox slots, judge concurrency, one trainer):
+  a look-up by identity, then attempts, each recorded in the run's record as it ends.
+- A trial whose step did not finish before a crash runs again on recovery, but every unit it
+  had finished is found by identity and not re-executed, an attempt that had failed is read
+  back as failed, and the judge's answers are recorded the moment they return: nothing recorded
+  runs or is paid for twice.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
+import sqlalchemy as sa
 from dbos import DBOS, DBOSConfig, SetWorkflowID, WorkflowHandleAsync
 
 from .._config import UnitName
-from .._identity import canonical, canonical_json, identity
+from .._identity import canonical, canonical_json
 from .._loop import EndpointDown, StepFailed, StepRecord, TrialOutcome, UnitFailed, check_endpoints, drive, run_trial
 from .._models import Reward, StepResult, Trajectory, TrialSpec, Weights, World
 from .._sandbox._workspace import sweep, trials_dir_for
-from .._unit import policy_of
-from ._calls import (
-    UNITS,
-    Process,
-    attempt_unit,
-    current,
-    db,
-    identity_inputs,
-    retries,
-    run_config,
-    start,
-    state_folder,
-)
+from ._calls import Process, current, db, run_config, run_unit, start, state_folder
+from ._lines import skipped_line, step_line
 from ._sqlite import sqlite_engine
-from ._store import Store, sqlite_path
+from ._store import Store, sqlalchemy_url, sqlite_path, storage_fault
 
-ENGINE_VERSION = "2"
-# Dispatch and result polls of the engine's queues: short, so queue latency stays out of step times.
-QUEUE_POLL_S = 0.02
+ENGINE_VERSION = "3"
 RESULT_POLL_S = 0.02
-
-
-@DBOS.workflow(name="durable_rl.unit")
-async def unit_workflow(run_id: str, unit: UnitName, key: str, args_json: str) -> dict[str, Any]:
-    """A unit call: reuse a recorded output of the same identity, else attempt it."""
-    config = run_config(run_id)
-    policy = policy_of(UNITS[unit])
-    ident = identity(policy.name, policy.version, identity_inputs(config, unit, json.loads(args_json)))
-    result: dict[str, Any] = {}
-    for attempt in range(retries(config, unit) + 1):
-        result = await DBOS.run_step_async(
-            {"name": f"attempt-{attempt}"}, attempt_unit, run_id, unit, key, ident, args_json, attempt
-        )
-        if result["ok"]:
-            break
-    return result
-
-
-@DBOS.workflow(name="durable_rl.trial")
-async def trial_workflow(run_id: str, spec_json: str, weights_json: str, world_json: str) -> str:
-    """One trial's pipeline as its own workflow, so its order of calls never depends on others."""
-    outcome = await run_trial(
-        DbosOps(run_id),
-        TrialSpec.model_validate_json(spec_json),
-        Weights.model_validate_json(weights_json),
-        World.model_validate_json(world_json),
-    )
-    return outcome.model_dump_json()
+STOP_CLEANUP_S = 10.0  # how long a stop waits for cancelled trials to clean up
 
 
 async def _record_step(run_id: str, record_json: str, attempt: int) -> None:
@@ -92,6 +62,7 @@ async def _record_step(run_id: str, record_json: str, attempt: int) -> None:
             "driver_attempt": attempt,
             "failed_trials": json.dumps(record.failed_trials, sort_keys=True),
             "error": record.error,
+            "record": record_json,
         },
         [
             {
@@ -108,16 +79,20 @@ async def _record_step(run_id: str, record_json: str, attempt: int) -> None:
         ],
     )
     for trial_id, error in sorted(record.failed_trials.items()):
-        print(f"  skipped {trial_id}: {error}", file=current().out, flush=True)
-    if record.error is not None:
-        print(f"step {r.step} failed: {record.error}", file=current().out, flush=True)
-        return
-    print(
-        f"step {r.step}: trials {r.n_trials}/{record.n_specs} · mean reward {r.mean_reward} · "
-        f"mean turns {r.mean_turns} · weights v{r.weights.version} · driver attempt {attempt}",
-        file=current().out,
-        flush=True,
+        print(skipped_line(trial_id, error), file=current().out, flush=True)
+    line = step_line(
+        r.step, r.n_trials, record.n_specs, r.mean_reward, r.mean_turns, r.weights.version, attempt, record.error
     )
+    print(line, file=current().out, flush=True)
+
+
+async def _inherit_steps(run_id: str, source_run: str, before: int) -> list[str]:
+    """A fork's first steps, exactly as its source recorded them: read once, then replayed from DBOS."""
+    texts = await db(current().store.step_records, source_run, before)
+    for text in texts:
+        step = StepRecord.model_validate_json(text).result.step
+        await db(current().store.event, run_id, "step_inherited", f"s{step}", detail=source_run)
+    return texts
 
 
 async def _record_start(run_id: str) -> float:
@@ -134,62 +109,80 @@ async def run_workflow(run_id: str) -> int:
 
 
 class DbosOps:
-    """The loop's calls, made durable: each is a child workflow with a deterministic id."""
+    """The loop's calls, made durable as steps of the run's workflow."""
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.config = run_config(run_id)
+        self.tiers = {  # the tiers' limits, in this process
+            "sandbox": asyncio.Semaphore(self.config.sandbox_slots),
+            "judge": asyncio.Semaphore(self.config.judge_concurrency),
+            "trainer": asyncio.Semaphore(1),
+        }
 
-    async def _enqueue(self, tier: str, wid: str, unit: UnitName, key: str, args: dict[str, Any]) -> Any:
-        with SetWorkflowID(f"{self.run_id}/{wid}"):
-            return (
-                await current().queues[tier].enqueue_async(unit_workflow, self.run_id, unit, key, canonical_json(args))
-            )
-
-    async def _unit(self, tier: str, wid: str, unit: UnitName, key: str, args: dict[str, Any]) -> str:
-        handle = await self._enqueue(tier, wid, unit, key, args)
-        return _output(await handle.get_result(polling_interval_sec=RESULT_POLL_S))
+    async def _unit(self, tier: str, unit: UnitName, key: str, args: dict[str, Any]) -> dict[str, Any]:
+        async with self.tiers[tier]:
+            return await run_unit(self.run_id, unit, key, canonical_json(args))
 
     async def build_worlds(self, world_ids: list[str]) -> dict[str, World]:
-        handles = [await self._enqueue("sandbox", f"world/{w}", "build_world", w, {"world_id": w}) for w in world_ids]
-        worlds = {}
-        for w, handle in zip(world_ids, handles, strict=True):  # awaited in order: a replay sees the same
-            result = await handle.get_result(polling_interval_sec=RESULT_POLL_S)
-            worlds[w] = World.model_validate_json(_output(result))
-        return worlds
+        reserved = [DBOS.reserve_step() for _ in world_ids]  # in order: a replay sees the same ids
+        results = await asyncio.gather(
+            *(
+                r.run_async({"name": f"world {w}"}, self._unit, "sandbox", "build_world", w, {"world_id": w})
+                for r, w in zip(reserved, world_ids, strict=True)
+            )
+        )
+        return {w: World.model_validate_json(_output(res)) for w, res in zip(world_ids, results, strict=True)}
 
     async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> Trajectory:
         args = canonical({"spec": spec, "weights": weights, "world": world})
-        text = await self._unit("sandbox", f"{spec.trial_id}/generate", "generate", spec.trial_id, args)
-        return Trajectory.model_validate_json(text)
+        return Trajectory.model_validate_json(_output(await self._unit("sandbox", "generate", spec.trial_id, args)))
 
     async def verify_and_judge(self, traj: Trajectory) -> Reward:
-        args = canonical({"traj": traj})
-        text = await self._unit("judge", f"{traj.trial_id}/judge", "verify_and_judge", traj.trial_id, args)
-        return Reward.model_validate_json(text)
+        result = await self._unit("judge", "verify_and_judge", traj.trial_id, canonical({"traj": traj}))
+        return Reward.model_validate_json(_output(result))
+
+    async def _trial(self, spec_json: str, weights_json: str, world_json: str) -> str:
+        outcome = await run_trial(
+            self,
+            TrialSpec.model_validate_json(spec_json),
+            Weights.model_validate_json(weights_json),
+            World.model_validate_json(world_json),
+        )
+        return outcome.model_dump_json()
 
     async def fan_out(self, specs: list[TrialSpec], weights: Weights, worlds: dict[str, World]) -> list[TrialOutcome]:
-        handles = []
-        for spec in specs:  # started in spec order, so every replay assigns the same ids
-            with SetWorkflowID(f"{self.run_id}/{spec.trial_id}"):
-                handles.append(
-                    await DBOS.start_workflow_async(
-                        trial_workflow,
-                        self.run_id,
-                        spec.model_dump_json(),
-                        weights.model_dump_json(),
-                        worlds[spec.world_id].model_dump_json(),
-                    )
+        if specs:  # for progress: a step's size and start (a replaying driver starts it again)
+            detail = json.dumps({"n_trials": len(specs)})
+            await db(current().store.event, self.run_id, "step_started", f"s{specs[0].step}", detail=detail)
+        reserved = [DBOS.reserve_step() for _ in specs]  # in spec order: a replay sees the same ids
+        weights_json = weights.model_dump_json()
+        outcomes = await asyncio.gather(
+            *(
+                r.run_async(
+                    {"name": f"trial {spec.trial_id}"},
+                    self._trial,
+                    spec.model_dump_json(),
+                    weights_json,
+                    worlds[spec.world_id].model_dump_json(),
                 )
-        # all trials run at once; collecting them in spec order adds no wait
-        return [
-            TrialOutcome.model_validate_json(await h.get_result(polling_interval_sec=RESULT_POLL_S)) for h in handles
-        ]
+                for r, spec in zip(reserved, specs, strict=True)
+            )
+        )
+        return [TrialOutcome.model_validate_json(o) for o in outcomes]
 
     async def train_step(self, step: int, weights: Weights, rewards: list[Reward]) -> StepResult:
         args = canonical({"step": step, "weights": weights, "rewards": rewards})
-        text = await self._unit("trainer", f"s{step}/train", "train_step", f"s{step}", args)
-        return StepResult.model_validate_json(text)
+        result = await DBOS.run_step_async(
+            {"name": f"train s{step}"}, self._unit, "trainer", "train_step", f"s{step}", args
+        )
+        return StepResult.model_validate_json(_output(result))
+
+    async def inherited_steps(self, source_run: str, before: int) -> list[StepRecord]:
+        texts: list[str] = await DBOS.run_step_async(
+            {"name": "inherit-steps"}, _inherit_steps, self.run_id, source_run, before
+        )
+        return [StepRecord.model_validate_json(t) for t in texts]
 
     async def step_done(self, record: StepRecord) -> None:
         proc = current()
@@ -215,11 +208,69 @@ def _output(result: dict[str, Any]) -> str:
 
 class _RunEndsAreOurs(logging.Filter):
     """Keep DBOS from printing a traceback for a run that ended as designed (a dead endpoint, a
-    failed step): the driver says it in one line. Every other engine error still shows."""
+    failed step, a stop asked for): the driver says it in one line. Every other engine error still shows."""
+
+    stopping = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
+        if "task cancelled" in record.getMessage().lower() or isinstance(error, asyncio.CancelledError):
+            return False  # the trials a run's end (a stop, a failure) cancelled: the end itself is said once
+        if error is not None and storage_fault(error) is not None:
+            return False  # a full disk: the driver says so in one line and stops, resumable
         return not isinstance(error, EndpointDown | StepFailed)
+
+
+def _stop_on_signals(quiet: _RunEndsAreOurs) -> None:
+    """On SIGINT or SIGTERM, cancel every task but the driver's own first, so each trial's sandbox
+    commands and working copy are cleaned up, then the driver's: nothing is recorded as failed,
+    and `resume` takes the run up from the record."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+
+    async def stop() -> None:
+        others = [t for t in asyncio.all_tasks() if t is not main and t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=STOP_CLEANUP_S)
+        main.cancel()
+
+    stopper: list[asyncio.Task[None]] = []  # held, so the stopping task is not collected mid-way
+
+    def on_signal() -> None:
+        if not quiet.stopping:
+            quiet.stopping = True
+            print("stopping: cancelling the running trials; the run stays resumable", file=sys.stderr, flush=True)
+            stopper.append(loop.create_task(stop()))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+
+@contextlib.contextmanager
+def _one_launch_at_a_time(url: str) -> Iterator[None]:
+    """Hold a database-wide lock while DBOS launches (and creates or migrates its tables)."""
+    path = sqlite_path(url)
+    if path is not None:
+        with open(path.parent / ".launch.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+        return
+    engine = sa.create_engine(sqlalchemy_url(url))
+    try:
+        # a session lock taken outside any transaction and polled for, never waited on in a
+        # statement: DBOS's CREATE INDEX CONCURRENTLY waits for every open statement to end
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            while not conn.exec_driver_sql("SELECT pg_try_advisory_lock(7261827385)").scalar():
+                time.sleep(0.2)
+            try:
+                yield
+            finally:
+                conn.exec_driver_sql("SELECT pg_advisory_unlock(7261827385)")
+    finally:
+        engine.dispose()
 
 
 async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any) -> None:
@@ -233,36 +284,26 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
     }
     if sqlite_path(url) is not None:
         config["system_database_engine"] = sqlite_engine(url)
-    process = start(Process(store=store, url=url, attempt=attempt, out=out))
+    store.start_group_commit()
+    start(Process(store=store, url=url, attempt=attempt, out=out))
     problems = await check_endpoints(run_config(run_id).plugins())
     if problems:  # before any step: a dead endpoint fails the run now, not every trial one by one
         raise EndpointDown("; ".join(problems))
     swept = sweep(trials_dir_for(state_folder()))  # working copies a killed driver left, mounts included
     if swept:
         print(f"removed {swept} working copies left by a dead process", file=sys.stderr)
-    logging.getLogger("dbos").addFilter(_RunEndsAreOurs())
-    DBOS(config=config)
-    DBOS.launch()
+    quiet = _RunEndsAreOurs()
+    logging.getLogger("dbos").addFilter(quiet)
+    _stop_on_signals(quiet)
+    with _one_launch_at_a_time(url):  # two drivers starting on a new database migrate it once
+        DBOS(config=config)
+        DBOS.launch()
     try:
-        config_of_run = run_config(run_id)
-        process.queues = {
-            "sandbox": await DBOS.register_queue_async(
-                "durable-rl-sandbox", worker_concurrency=config_of_run.sandbox_slots, polling_interval_sec=QUEUE_POLL_S
-            ),
-            "judge": await DBOS.register_queue_async(
-                "durable-rl-judge",
-                worker_concurrency=config_of_run.judge_concurrency,
-                polling_interval_sec=QUEUE_POLL_S,
-            ),
-            "trainer": await DBOS.register_queue_async(
-                "durable-rl-trainer", worker_concurrency=1, polling_interval_sec=QUEUE_POLL_S
-            ),
-        }
         if await DBOS.get_workflow_status_async(run_id) is None:
             with SetWorkflowID(run_id):
                 await (await DBOS.start_workflow_async(run_workflow, run_id)).get_result()
         else:  # a resumed run: DBOS's recovery at launch has already taken its workflow up again
             handle: WorkflowHandleAsync[int] = await DBOS.retrieve_workflow_async(run_id)
-            await handle.get_result(polling_interval_sec=RESULT_POLL_S)
+            await handle.get_result(polling_interval_sec=RESULT_POLL_S)  # a wait, not a hop: 20 ms
     finally:
         DBOS.destroy()

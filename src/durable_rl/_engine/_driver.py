@@ -10,25 +10,56 @@ import asyncio
 import logging
 import os
 import sys
+import threading
+import time
 
-from ._store import Store
-from ._supervisor import EXIT_RUN_FAILED
+from ._store import Store, storage_fault
+from ._supervisor import EXIT_ALREADY_DRIVEN, EXIT_RUN_FAILED, EXIT_STORAGE, LEASE_S
+
+EXIT_STOPPED = 130  # as a shell reports a process ended by Ctrl-C
+
+
+def _renew_lease_while_alive(store: Store, run_id: str) -> None:
+    """Renew the run's lease from a daemon thread: it lapses LEASE_S after this process dies."""
+
+    def renew() -> None:
+        while True:
+            time.sleep(LEASE_S / 3)
+            try:
+                store.take_lease(run_id, LEASE_S)
+            except Exception as e:  # a database hiccup: the next renewal tries again
+                print(f"renewing the lease of {run_id} failed: {e}", file=sys.stderr)
+
+    threading.Thread(target=renew, name="lease", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
     run_id, url = argv[0], os.environ["DURABLE_RL_DB"]
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     store = Store(url)
+    holder = store.take_lease(run_id, LEASE_S)
+    if holder is not None:  # another process drives this run (a second resume, a racing restart)
+        print(f"run {run_id} is driven by {holder}; this driver leaves it", file=sys.stderr)
+        return EXIT_ALREADY_DRIVEN
+    _renew_lease_while_alive(store, run_id)
     attempt = store.add_attempt(run_id)
     from ._dbos import run_driver  # after the attempt is on record, however long DBOS takes to start
 
     try:
         asyncio.run(run_driver(run_id, url, store, attempt, sys.stdout))
+    except asyncio.CancelledError:  # asked to stop (Ctrl-C, SIGTERM): the run stays resumable as it is
+        return EXIT_STOPPED
     except Exception as e:
+        fault = storage_fault(e)
+        if fault is not None:  # nothing is lost: the record is as the last commit left it
+            print(f"run {run_id} stopped: {fault}; then `durable-rl resume {run_id}` finishes it", file=sys.stderr)
+            return EXIT_STORAGE
         print(f"run {run_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
         store.set_status(run_id, "failed")
+        store.drop_lease(run_id)
         return EXIT_RUN_FAILED
     store.set_status(run_id, "succeeded")
+    store.drop_lease(run_id)
     return 0
 
 

@@ -38,3 +38,15 @@ def sqlite_engine(url: str) -> Engine:
         _TX_LOCK.release()
 
     return engine
+
+
+def sqlite_reader(url: str) -> Engine:
+    """An engine for reads only: in WAL mode they never wait for a writer, so they skip the turn."""
+    engine = sa.create_engine(url, connect_args={"timeout": 30})
+
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.execute("PRAGMA busy_timeout=30000")
+        dbapi_conn.execute("PRAGMA query_only=ON")
+
+    return engine

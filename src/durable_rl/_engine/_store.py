@@ -7,12 +7,16 @@ it without starting the engine.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import queue
 import socket
 import sqlite3
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from .._errors import UserError
 from .._procs import pid_alive
-from ._sqlite import sqlite_engine
+from ._sqlite import sqlite_engine, sqlite_reader
 
 _meta = sa.MetaData()
 runs = sa.Table(
@@ -35,6 +39,10 @@ runs = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("started_at", sa.Float),
     sa.Column("finished_at", sa.Float),
+    # who drives the run now: one driver process at a time holds this lease and renews it
+    sa.Column("driver_pid", sa.Integer),
+    sa.Column("driver_host", sa.String(255)),
+    sa.Column("lease_until", sa.Float),
 )
 attempts = sa.Table(
     "drl_driver_attempts",
@@ -60,6 +68,7 @@ steps = sa.Table(
     sa.Column("driver_attempt", sa.Integer, nullable=False),
     sa.Column("failed_trials", sa.Text, nullable=False),
     sa.Column("error", sa.Text),
+    sa.Column("record", sa.Text),  # the loop's StepRecord, whole: what a fork of the run inherits
 )
 trials = sa.Table(
     "drl_trials",
@@ -99,6 +108,8 @@ ledger = sa.Table(
     sa.Column("cost_usd", sa.Float, nullable=False, default=0.0),
     sa.Column("latency_s", sa.Float),
     sa.Column("at", sa.Float, nullable=False),
+    sa.Column("request_id", sa.String(64), index=True),  # the request's identity (endpoint, model, messages)
+    sa.Column("response", sa.Text),  # its answer, written with the outcome in one transaction
 )
 cache = sa.Table(
     "drl_cache",
@@ -108,6 +119,23 @@ cache = sa.Table(
     sa.Column("output", sa.Text, nullable=False),
     sa.Column("run_id", sa.String(200), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# The experiment trackers a run logs to (`--log`), and each (run, backend, step) logged once.
+log_targets = sa.Table(
+    "drl_log_targets",
+    _meta,
+    sa.Column("run_id", sa.String(200), primary_key=True),
+    sa.Column("backend", sa.String(40), primary_key=True),
+    sa.Column("ref", sa.String(300)),  # the backend's own id of the run, once it has one
+)
+logged_steps = sa.Table(
+    "drl_logged",
+    _meta,
+    sa.Column("run_id", sa.String(200), primary_key=True),
+    sa.Column("backend", sa.String(40), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("at", sa.Float, nullable=False),
 )
 
 # Counter name -> event kind it counts.
@@ -120,6 +148,7 @@ COUNTED_EVENTS = {
     "worlds_reused": "build_world_reused",
     "train_steps_executed": "train_step_attempt",
     "train_steps_reused": "train_step_reused",
+    "steps_inherited": "step_inherited",
 }
 
 
@@ -141,7 +170,7 @@ def state_dir(url: str, cwd: Path) -> Path:
     return path.parent if path is not None else cwd / ".durable-rl"
 
 
-def _sqlalchemy_url(url: str) -> str:
+def sqlalchemy_url(url: str) -> str:
     if url.startswith(("postgresql://", "postgres://")):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
     return url
@@ -168,6 +197,44 @@ def database_errors(url: str) -> Iterator[None]:
         raise UserError(f"state database {shown(url)}: {_one_line(e.orig or e)}") from None
     except (sqlite3.Error, OSError) as e:
         raise UserError(f"state database {shown(url)}: {_one_line(e)}") from None
+
+
+_STORAGE_FAULTS = ("disk is full", "readonly database", "read-only file system", "disk i/o error", "no space left")
+
+
+def storage_fault(error: BaseException) -> str | None:
+    """What is wrong with the state database's storage, if `error` (or any cause of it) says the
+    database cannot be written: a full disk, a read-only file system, an I/O error."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        text = str(getattr(e, "orig", None) or e)
+        if isinstance(e, sqlite3.Error | sa.exc.DBAPIError | OSError) and any(
+            f in text.lower() for f in _STORAGE_FAULTS
+        ):
+            return f"the state database cannot be written ({_one_line(e)})"
+        stack += [e.__cause__, e.__context__, *(getattr(e, "exceptions", None) or [])]
+    return None
+
+
+@contextmanager
+def creating(url: str) -> Iterator[None]:
+    """Hold the state folder's lock while a database is checked and created: a second `train`
+    starting at the same moment never sees a file the first has only begun to write."""
+    path = sqlite_path(url)
+    if path is None or not path.parent.parent.is_dir():  # PostgreSQL locks inside; check_url says the rest
+        yield
+        return
+    with database_errors(url):
+        path.parent.mkdir(exist_ok=True)
+        lock = open(path.parent / ".create.lock", "a")
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def check_url(url: str) -> None:
@@ -209,11 +276,70 @@ class RunRow:
 
 
 class Store:
-    """Reads and writes the run record; every write is one short transaction."""
+    """Reads and writes the run record; every write is one short transaction.
+
+    A driver turns on group commit (`start_group_commit`): the hot writes of many concurrent
+    trials (events, unit outputs, ledger rows) then share one transaction and one fsync, each
+    caller waiting until the batch holding its write is committed. The hot reads use an engine of
+    their own that never waits for a writer.
+    """
+
+    GROUPED = frozenset({"event", "cache_put", "ledger_sent", "ledger_done"})
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine: Engine = _make_engine(url)
+        self.reader: Engine = sqlite_reader(url) if sqlite_path(url) is not None else self.engine
+        self._writes: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Future[Any]]] | None
+        self._writes = None
+
+    def start_group_commit(self) -> None:
+        """Commit the GROUPED writes in batches, from a thread of their own."""
+        if self._writes is None:
+            self._writes = queue.SimpleQueue()
+            threading.Thread(target=self._commit_batches, name="group-commit", daemon=True).start()
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+        """A GROUPED write, committed with whatever else is waiting; the future resolves once it is durable."""
+        future: Future[Any] = Future()
+        if self._writes is None:
+            try:
+                future.set_result(getattr(self, method)(*args, **kwargs))
+            except Exception as e:
+                future.set_exception(e)
+        else:
+            self._writes.put((getattr(self, f"_{method}"), args, kwargs, future))
+        return future
+
+    def _commit_batches(self) -> None:
+        assert self._writes is not None
+        while True:
+            batch = [self._writes.get()]
+            while len(batch) < 512:
+                try:
+                    batch.append(self._writes.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                with self._tx() as c:
+                    results = [fn(c, *args, **kwargs) for fn, args, kwargs, _ in batch]
+            except Exception:  # one bad write must not fail the others: each alone, in its own transaction
+                for fn, args, kwargs, future in batch:
+                    try:
+                        with self._tx() as c:
+                            result = fn(c, *args, **kwargs)
+                    except Exception as e:  # (a full disk fails them all: each caller hears why)
+                        future.set_exception(e)
+                    else:  # only once its transaction committed
+                        future.set_result(result)
+            else:
+                for (_, _, _, future), result in zip(batch, results, strict=True):
+                    future.set_result(result)
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self.reader.connect() as conn:
+            yield conn
 
     @classmethod
     def open_existing(cls, url: str) -> Store | None:
@@ -225,10 +351,32 @@ class Store:
         store = cls(url)
         with database_errors(url):
             found = sa.inspect(store.engine).has_table("drl_runs")
+            if found:
+                store._upgrade()
         if not found:
             store.engine.dispose()
             return None
         return store
+
+    def _upgrade(self) -> None:
+        """Bring a record written by an earlier durable-rl up to this one's tables: new tables are
+        made and new columns (all nullable) added, so its runs can still be listed, shown and
+        exported. (Resuming one needs the engine version it ran on.)"""
+        inspector = sa.inspect(self.engine)
+        missing = [
+            (table, column)
+            for table in _meta.sorted_tables
+            if inspector.has_table(table.name)
+            for column in table.columns
+            if column.name not in {c["name"] for c in inspector.get_columns(table.name)}
+        ]
+        with self._tx() as c:
+            if c.dialect.name == "postgresql":
+                c.exec_driver_sql("SELECT pg_advisory_xact_lock(7261827384)")
+            for table, column in missing:
+                kind = column.type.compile(dialect=c.dialect)
+                c.exec_driver_sql(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}')
+            _meta.create_all(c)
 
     @classmethod
     def create(cls, url: str) -> Store:
@@ -246,7 +394,11 @@ class Store:
                         # WAL persists in the file, so the engine's connections use it too: readers stop
                         # blocking writers, and a commit is one append (synchronous=FULL keeps it durable)
                         conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-                _meta.create_all(store.engine)
+                with store.engine.begin() as conn:
+                    if conn.dialect.name == "postgresql":  # two runs starting at once make the tables once
+                        conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7261827384)")
+                    _meta.create_all(conn)
+                store._upgrade()
         except UserError:
             if new and path is not None:  # nothing half-written: a database this call began goes
                 for leftover in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
@@ -290,6 +442,47 @@ class Store:
             started: float = c.execute(sa.select(runs.c.started_at).where(runs.c.run_id == run_id)).scalar_one()
         return started
 
+    # the driver's lease: one driver per run, whoever started it (train, resume, a restart)
+    def take_lease(self, run_id: str, seconds: float) -> str | None:
+        """Hold the run's lease for `seconds`: None when this process now holds it, else who does."""
+        me, host, now = os.getpid(), socket.gethostname(), time.time()
+        with self._tx() as c:
+            row = c.execute(  # FOR UPDATE: two PostgreSQL drivers racing for it take turns (SQLite always does)
+                sa.select(runs.c.driver_pid, runs.c.driver_host, runs.c.lease_until)
+                .where(runs.c.run_id == run_id)
+                .with_for_update()
+            ).one()
+            pid, holder_host, until = row
+            held = until is not None and until > now and (pid, holder_host) != (me, host)
+            if held and not (holder_host == host and not pid_alive(pid)):  # a dead holder here holds nothing
+                return f"pid {pid} on {holder_host}"
+            c.execute(
+                runs.update()
+                .where(runs.c.run_id == run_id)
+                .values(driver_pid=me, driver_host=host, lease_until=now + seconds)
+            )
+        return None
+
+    def drop_lease(self, run_id: str) -> None:
+        """Give the run's lease up, if this process holds it."""
+        with self._tx() as c:
+            c.execute(
+                runs.update()
+                .where(runs.c.run_id == run_id, runs.c.driver_pid == os.getpid())
+                .where(runs.c.driver_host == socket.gethostname())
+                .values(lease_until=None)
+            )
+
+    def lease_holder(self, run_id: str) -> str | None:
+        """Who drives the run now (a live lease), or None."""
+        with self._tx() as c:
+            pid, host, until = c.execute(
+                sa.select(runs.c.driver_pid, runs.c.driver_host, runs.c.lease_until).where(runs.c.run_id == run_id)
+            ).one()
+        if until is None or until <= time.time() or (host == socket.gethostname() and not pid_alive(pid)):
+            return None
+        return f"pid {pid} on {host}"
+
     # driver attempts
     def add_attempt(self, run_id: str) -> int:
         """Record that a driver process took the run over; return its 1-based attempt number."""
@@ -319,6 +512,17 @@ class Store:
                 c.execute(steps.insert().values(**row))
                 if trial_rows:
                     c.execute(trials.insert(), trial_rows)
+
+    def step_records(self, run_id: str, before: int) -> list[str]:
+        """The recorded StepRecords (JSON) of the run's steps before `before`, in order."""
+        with self._tx() as c:
+            return list(
+                c.execute(
+                    sa.select(steps.c.record)
+                    .where(steps.c.run_id == run_id, steps.c.step < before, steps.c.record.is_not(None))
+                    .order_by(steps.c.step)
+                ).scalars()
+            )
 
     def trials(self, run_id: str) -> list[dict[str, Any]]:
         """Per-trial results: reward(s), or the exception that made it skipped; what it reported."""
@@ -356,11 +560,35 @@ class Store:
         detail: str | None = None,
     ) -> None:
         with self._tx() as c:
-            c.execute(
-                events.insert().values(
-                    run_id=run_id, kind=kind, key=key, attempt=attempt, seconds=seconds, detail=detail, at=time.time()
-                )
+            self._event(c, run_id, kind, key, attempt=attempt, seconds=seconds, detail=detail)
+
+    @staticmethod
+    def _event(
+        c: Connection,
+        run_id: str,
+        kind: str,
+        key: str,
+        *,
+        attempt: int | None = None,
+        seconds: float | None = None,
+        detail: str | None = None,
+    ) -> None:
+        c.execute(
+            events.insert().values(
+                run_id=run_id, kind=kind, key=key, attempt=attempt, seconds=seconds, detail=detail, at=time.time()
             )
+        )
+
+    def recorded_failure(self, run_id: str, kind: str, key: str, attempt: int) -> str | None:
+        """The error a recorded failed attempt ended with, if this attempt failed before."""
+        with self._read() as c:
+            found: str | None = c.execute(
+                sa.select(events.c.detail)
+                .where(events.c.run_id == run_id, events.c.kind == kind, events.c.key == key)
+                .where(events.c.attempt == attempt)
+                .limit(1)
+            ).scalar()
+        return found
 
     def events(self, run_id: str, kind: str | None = None) -> list[dict[str, Any]]:
         query = events.select().where(events.c.run_id == run_id)
@@ -420,6 +648,8 @@ class Store:
         """The recorded status, or `interrupted` for a running run whose driver is gone."""
         if row.status != "running":
             return row.status
+        if self.lease_holder(row.run_id) is not None:
+            return "running"
         tried = self.attempts(row.run_id)
         if not tried:
             return "interrupted" if time.time() - row.created_at > 60 else "running"
@@ -429,38 +659,80 @@ class Store:
         return "running"
 
     # the judge's ledger
-    def ledger_sent(self, run_id: str, key: str, model: str, request: int) -> int:
+    def ledger_sent(self, run_id: str, key: str, model: str, request: int, request_id: str | None = None) -> int:
         """Write the intent of a request before it goes out; a crash leaves it `sent`: billed, answer lost."""
         with self._tx() as c:
-            row = c.execute(
-                ledger.insert().values(
-                    run_id=run_id,
-                    key=key,
-                    model=model,
-                    request=request,
-                    outcome="sent",
-                    prompt_tokens=0,
-                    completion_tokens=0,
-                    cost_usd=0.0,
-                    at=time.time(),
-                )
-            )
-            assert row.inserted_primary_key is not None
-            return int(row.inserted_primary_key[0])
+            return self._ledger_sent(c, run_id, key, model, request, request_id)
 
-    def ledger_done(self, row_id: int, outcome: str, prompt: int, completion: int, cost: float, latency: float) -> None:
-        with self._tx() as c:
-            c.execute(
-                ledger.update()
-                .where(ledger.c.id == row_id)
-                .values(
-                    outcome=outcome,
-                    prompt_tokens=prompt,
-                    completion_tokens=completion,
-                    cost_usd=cost,
-                    latency_s=latency,
-                )
+    @staticmethod
+    def _ledger_sent(
+        c: Connection, run_id: str, key: str, model: str, request: int, request_id: str | None = None
+    ) -> int:
+        row = c.execute(
+            ledger.insert().values(
+                run_id=run_id,
+                key=key,
+                model=model,
+                request=request,
+                request_id=request_id,
+                outcome="sent",
+                prompt_tokens=0,
+                completion_tokens=0,
+                cost_usd=0.0,
+                at=time.time(),
             )
+        )
+        assert row.inserted_primary_key is not None
+        return int(row.inserted_primary_key[0])
+
+    def ledger_done(
+        self,
+        row_id: int,
+        outcome: str,
+        prompt: int,
+        completion: int,
+        cost: float,
+        latency: float,
+        response: str | None = None,
+    ) -> None:
+        """A request's outcome and, when answered, its answer: one write, so an answer that reached
+        the process is on record before anything else happens, and is never paid for again."""
+        with self._tx() as c:
+            self._ledger_done(c, row_id, outcome, prompt, completion, cost, latency, response)
+
+    @staticmethod
+    def _ledger_done(
+        c: Connection,
+        row_id: int,
+        outcome: str,
+        prompt: int,
+        completion: int,
+        cost: float,
+        latency: float,
+        response: str | None = None,
+    ) -> None:
+        c.execute(
+            ledger.update()
+            .where(ledger.c.id == row_id)
+            .values(
+                outcome=outcome,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                cost_usd=cost,
+                latency_s=latency,
+                response=response,
+            )
+        )
+
+    def ledger_answer(self, request_id: str) -> str | None:
+        """The recorded answer of an identical request, made by any run, if one was answered."""
+        with self._read() as c:
+            found: str | None = c.execute(
+                sa.select(ledger.c.response)
+                .where(ledger.c.request_id == request_id, ledger.c.outcome == "answered")
+                .limit(1)
+            ).scalar()
+        return found
 
     def ledger(self, run_id: str) -> dict[str, Any]:
         """What judging cost the run, and what replay and reuse saved it."""
@@ -487,7 +759,7 @@ class Store:
 
     # the unit cache
     def cache_get(self, identity: str) -> str | None:
-        with self._tx() as c:
+        with self._read() as c:
             value: str | None = c.execute(sa.select(cache.c.output).where(cache.c.identity == identity)).scalar()
         return value
 
@@ -495,15 +767,26 @@ class Store:
         """Record a unit's output under its identity (the first record wins, it never changes),
         and in the same transaction the `done` event of the call that produced it."""
         with self._tx() as c:
-            exists = c.execute(sa.select(cache.c.identity).where(cache.c.identity == identity)).first()
-            if exists is None:  # an identical call may have recorded it first: equal identities, equal outputs
-                c.execute(
-                    cache.insert().values(
-                        identity=identity, unit=unit, output=output, run_id=run_id, created_at=time.time()
-                    )
-                )
-            if done is not None:
-                c.execute(events.insert().values(run_id=run_id, at=time.time(), **done))
+            self._cache_put(c, identity, unit, output, run_id, done)
+
+    @staticmethod
+    def _cache_put(
+        c: Connection, identity: str, unit: str, output: str, run_id: str, done: dict[str, Any] | None = None
+    ) -> None:
+        row = {"identity": identity, "unit": unit, "output": output, "run_id": run_id, "created_at": time.time()}
+        # an identical call of another run may record it at the same moment: equal identities, equal
+        # outputs, so whichever comes second inserts nothing (never a unique violation)
+        c.execute(_insert_ignoring_duplicates(c, cache, row))
+        if done is not None:
+            c.execute(events.insert().values(run_id=run_id, at=time.time(), **done))
+
+
+def _insert_ignoring_duplicates(c: Connection, table: sa.Table, row: dict[str, Any]) -> Any:
+    """INSERT ... ON CONFLICT DO NOTHING, in the connection's dialect."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    dialect = postgresql if c.dialect.name == "postgresql" else sqlite
+    return dialect.insert(table).values(**row).on_conflict_do_nothing()
 
 
 def _run_row(row: Any) -> RunRow:
@@ -520,5 +803,5 @@ def _run_row(row: Any) -> RunRow:
 
 def _make_engine(url: str) -> Engine:
     if sqlite_path(url) is None:
-        return sa.create_engine(_sqlalchemy_url(url), pool_pre_ping=True)
+        return sa.create_engine(sqlalchemy_url(url), pool_pre_ping=True)
     return sqlite_engine(url)

@@ -22,27 +22,37 @@ class SandboxTools:
     """Tools over one working copy; commands run with the trial's limits and uid."""
 
     def __init__(self, root: Path, *, limits: Limits | None = None, uid: int | None = None) -> None:
-        self.root = root.resolve()
+        self._root = root
+        self._real_root: Path | None = None
         self.limits = limits or Limits()
         self.uid = uid
 
+    @property
+    def root(self) -> Path:
+        """The working copy's real path (resolved once, off the event loop when a tool runs first)."""
+        if self._real_root is None:
+            self._real_root = self._root.resolve()
+        return self._real_root
+
     def resolve(self, path: str) -> Path:
-        """The real path of `path` inside the working copy, or a ToolError."""
+        """The real path of `path` inside the working copy, or a ToolError. It walks the file
+        system (every symlink on the way), so the tools call it from a worker thread."""
         pure = PurePosixPath(path)
         if pure.is_absolute():
             raise ToolError(f"{path!r}: absolute paths are refused; paths are relative to the working copy")
         if ".." in pure.parts:
             raise ToolError(f"{path!r}: '..' is refused; paths stay inside the working copy")
-        real = Path(os.path.realpath(self.root / pure))  # follows every symlink on the way
-        if real != self.root and self.root not in real.parents:
+        root = self.root
+        real = Path(os.path.realpath(root / pure))  # follows every symlink on the way
+        if real != root and root not in real.parents:
             raise ToolError(f"{path!r}: leads outside the working copy (through a symlink)")
         return real
 
     async def list_dir(self, path: str = ".") -> list[str]:
         """Names in a folder of the working copy, sorted; folders end with '/'."""
-        target = self.resolve(path)
 
         def names() -> list[str]:
+            target = self.resolve(path)
             if not target.is_dir():
                 raise ToolError(f"{path!r}: not a folder")
             return sorted(p.name + ("/" if p.is_dir() else "") for p in target.iterdir())
@@ -51,9 +61,9 @@ class SandboxTools:
 
     async def read_file(self, path: str) -> str:
         """A text file of the working copy."""
-        target = self.resolve(path)
 
         def read() -> str:
+            target = self.resolve(path)
             if not target.is_file():
                 raise ToolError(f"{path!r}: no such file")
             return target.read_text(errors="replace")
@@ -62,9 +72,9 @@ class SandboxTools:
 
     async def write_file(self, path: str, text: str) -> None:
         """Write a text file of the working copy, making its folders as needed."""
-        target = self.resolve(path)
 
         def write() -> None:
+            target = self.resolve(path)
             target.parent.mkdir(parents=True, exist_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW  # never through a last-moment symlink
             fd = os.open(target, flags, 0o666)
@@ -77,7 +87,7 @@ class SandboxTools:
 
     async def run(self, command: str, *, env: dict[str, str] | None = None) -> CommandResult:
         """Run a shell command in the working copy, under the trial's limits."""
-        return await run_command(command, cwd=self.root, limits=self.limits, uid=self.uid, env=env)
+        return await run_command(command, cwd=self._root, limits=self.limits, uid=self.uid, env=env)
 
 
 def read_untrusted(path: Path, max_bytes: int) -> str | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import hashlib
 import os
@@ -21,6 +23,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -65,6 +68,7 @@ def publish_snapshot(source: Path, snapshots_dir: Path) -> tuple[Path, str]:
     return root, content
 
 
+@functools.cache
 def trials_dir_for(state_dir: Path) -> Path:
     """Where a state folder's working copies go: inside it when every folder above it lets
     other users through (sandboxed commands run as their own uid), else a folder of its own
@@ -123,16 +127,25 @@ def choose_method(base: Path, requested: str = "auto") -> Method:
     return requested
 
 
+_MNT_DETACH = 2  # umount2 flag: detach now, finish when the last user goes (as `umount -l`)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> bool:
+    """An overlay mount by the mount(2) system call: no `mount` process per trial."""
     if os.geteuid() != 0:
         return False
-    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
-    done = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(merged)], capture_output=True)
-    return done.returncode == 0
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    done = _libc().mount(b"overlay", os.fsencode(merged), b"overlay", 0, options)
+    return bool(done == 0)
 
 
 def _unmount(path: Path) -> None:
-    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+    _libc().umount2(os.fsencode(path), _MNT_DETACH)
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,14 @@ def _make(snapshot: Path, trial_dir: Path, method: Method, owner_uid: int | None
     return copy
 
 
+_COPIES = ThreadPoolExecutor(max_workers=8, thread_name_prefix="working-copy")
+
+
+def _remove_once_made(made: Future[Path], trial_dir: Path) -> None:
+    made.exception()  # waits until making it ended, whichever way
+    _remove(trial_dir)
+
+
 def _remove(trial_dir: Path) -> None:
     merged = trial_dir / "merged"
     if merged.exists() and os.path.ismount(merged):
@@ -189,11 +210,14 @@ async def working_copy(
     chosen = await asyncio.to_thread(choose_method, trials_dir, method)
     trial_dir = trials_dir / f"t-{uuid.uuid4().hex}"
     t0 = time.perf_counter()
+    made = _COPIES.submit(_make, snapshot, trial_dir, chosen, owner_uid)
     try:
-        path = await asyncio.to_thread(_make, snapshot, trial_dir, chosen, owner_uid)
+        path = await asyncio.wrap_future(made)
         yield Workspace(path=path, method=chosen, setup_s=time.perf_counter() - t0, aux=trial_dir / "aux")
     finally:
-        await asyncio.shield(asyncio.to_thread(_remove, trial_dir))
+        # in a thread of its own, once the copy is made: a trial cancelled mid-way (a stop, a
+        # timeout) cannot leave it behind, and the process waits for these threads before it exits
+        await asyncio.shield(asyncio.wrap_future(_COPIES.submit(_remove_once_made, made, trial_dir)))
 
 
 def sweep(trials_dir: Path) -> int:

@@ -1,0 +1,86 @@
+"""Many runs, one database; one driver per run. Real processes against SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CLEAN_V1, CLEAN_V2, FAST, FAULTS, Cli, figures
+
+import durable_rl
+from durable_rl._api import as_config, record_run
+
+
+def _both_at_once(cli: Cli, tmp: Path) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    """Two `train`s started together; their output goes to files, so neither waits on a full pipe."""
+    runs = {"a": [], "b": ["--rubric", "v2-efficiency"]}
+    procs = {}
+    for run_id, extra in runs.items():
+        with (tmp / f"{run_id}.out").open("w") as out, (tmp / f"{run_id}.err").open("w") as err:
+            procs[run_id] = subprocess.Popen(
+                cli.argv("train", "--run-id", run_id, *extra, *FAST, *FAULTS, "--json"),
+                cwd=cli.cwd,
+                env=cli.env(),
+                stdout=out,
+                stderr=err,
+            )
+    codes = {run_id: proc.wait(timeout=240) for run_id, proc in procs.items()}
+    for run_id, code in codes.items():
+        assert code == 0, (tmp / f"{run_id}.err").read_text()[-3000:]
+    return json.loads((tmp / "a.out").read_text()), json.loads((tmp / "b.out").read_text())
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgres"])
+def test_two_runs_at_once_in_one_database_each_end_with_their_solo_figures(
+    db: str, cli: Cli, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    target = cli if db == "sqlite" else request.getfixturevalue("pg_cli")
+    a, b = _both_at_once(target, tmp_path)
+    assert figures(a) == CLEAN_V1 and figures(b) == CLEAN_V2
+    for out in (a, b):
+        c = out["counters"]
+        assert out["status"] == "succeeded" and c["trials_ok"] == 18 and c["driver_attempts"] == 2
+    # every trial of each run was judged by that run or reused from the other, never lost
+    assert a["counters"]["judge_calls"] + b["counters"]["judge_calls"] == 36
+
+
+def test_resume_of_a_run_whose_driver_has_not_started_finishes_it(cli: Cli) -> None:
+    # what `train` leaves when it is killed between recording the run and starting its driver
+    record_run(cli.db, as_config(None, faults={"flaky_trial_rate": 0.25}), "early")
+    assert cli.json("runs")[0]["status"] in ("running", "interrupted")
+    out = cli.json("resume", "early")
+    assert out["status"] == "succeeded" and figures(out) == CLEAN_V1
+    assert out["counters"]["driver_attempts"] == 1
+
+
+def test_one_driver_per_run_however_many_resumes(cli: Cli) -> None:
+    record_run(cli.db, as_config(None, agent={"kind": "bandit", "settings": {"turn_latency": 0.05}}), "r")
+    first, second = cli.popen("resume", "r", "--json"), cli.popen("resume", "r", "--json")
+    for proc in (first, second):  # both return when the run ends: the one that lost the race followed it
+        stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr[-3000:]
+        assert json.loads(stdout)["status"] == "succeeded"
+    run = durable_rl.open_run("r", db=cli.db)
+    assert run.counters()["driver_attempts"] == 1  # only the lease holder drove it
+    assert run.counters()["generate_executed"] == 18
+
+
+def test_a_second_resume_of_a_live_run_is_refused_and_a_finished_run_is_left_alone(cli: Cli) -> None:
+    record_run(cli.db, as_config(None, agent={"kind": "bandit", "settings": {"turn_latency": 0.1}}), "live")
+    driving = cli.popen("resume", "live")
+    deadline = time.monotonic() + 60
+    run = durable_rl.open_run("live", db=cli.db)
+    while run.store.lease_holder("live") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc = cli.run("resume", "live")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "is being driven by pid" in lines[0], proc.stderr
+    driving.communicate(timeout=240)
+    assert driving.returncode == 0 and run.status == "succeeded"
+    attempts = run.counters()["driver_attempts"]
+    proc = cli.run("resume", "live")
+    assert proc.returncode == 0 and "already succeeded; nothing to resume" in proc.stdout
+    assert run.counters()["driver_attempts"] == attempts  # nothing was started
