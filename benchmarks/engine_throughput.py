@@ -118,6 +118,7 @@ def measure(trials: int, db_of: Callable[[str], str]) -> dict[str, float]:
         attempts, row_r = store.attempts("r"), store.run("r")
         assert row_r is not None and row_r.finished_at and len(attempts) == 2
         replay_s = row_r.finished_at - attempts[1]["started_at"]
+        replayed = _recorded_units(store, "r")
 
         # resume: every step recorded, the driver killed before it could say so, no restart
         proc = subprocess.run(
@@ -147,7 +148,7 @@ def measure(trials: int, db_of: Callable[[str], str]) -> dict[str, float]:
     return {
         "units": units,
         "units_per_s": units / (row.finished_at - row.started_at),
-        "replay_units_per_s": _recorded_units(store, "r") / replay_s,
+        "replay_units_per_s": replayed / replay_s,
         "resume_s": resume_s,
     }
 

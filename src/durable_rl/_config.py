@@ -134,6 +134,10 @@ class RunConfig(_Frozen):
 
     def plugins(self) -> Plugins:
         """The run's plug-ins, built once per process for a given config."""
+        return self._plugins
+
+    @functools.cached_property
+    def _plugins(self) -> Plugins:  # kept on the instance: the engine asks for it on every unit call
         return _plugins(self.model_dump_json())
 
 

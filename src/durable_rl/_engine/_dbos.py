@@ -152,9 +152,17 @@ class DbosOps:
         return outcome.model_dump_json()
 
     async def fan_out(self, specs: list[TrialSpec], weights: Weights, worlds: dict[str, World]) -> list[TrialOutcome]:
-        if specs:  # for progress: a step's size and start (a replaying driver starts it again)
-            detail = json.dumps({"n_trials": len(specs)})
-            await db(current().store.event, self.run_id, "step_started", f"s{specs[0].step}", detail=detail)
+        if specs:  # for progress: a step's size and start, recorded once (a replay finds it done)
+            step, detail = specs[0].step, json.dumps({"n_trials": len(specs)})
+            await DBOS.run_step_async(
+                {"name": f"step {step} started"},
+                db,
+                current().store.event,
+                self.run_id,
+                "step_started",
+                f"s{step}",
+                detail=detail,
+            )
         reserved = [DBOS.reserve_step() for _ in specs]  # in spec order: a replay sees the same ids
         weights_json = weights.model_dump_json()
         outcomes = await asyncio.gather(
