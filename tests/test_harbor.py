@@ -101,7 +101,10 @@ def test_hostile_agents_fail_only_themselves(cli: Cli, tmp_path: Path) -> None:
     _task(tasks, "slow-but-right", "touch ok.txt; sleep 600\n", agent_timeout=1)  # timed out, still verified
     _task(tasks, "well-behaved", "touch ok.txt\n")
     out = cli.json("train", "--run-id", "hostile", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
-    assert out["status"] == "succeeded" and out["steps"][0]["n_trials"] == 6
+    skipped = {
+        t["trial_id"]: t["error_message"] for t in cli.json("show", "hostile", "--trials") if t["reward"] is None
+    }
+    assert out["status"] == "succeeded" and out["steps"][0]["n_trials"] == 6, skipped
     trials = _by_task(cli.json("show", "hostile", "--trials"))
     ended = {name: (t["info"]["agent"], t["reward"]) for name, t in trials.items()}
     assert ended == {

@@ -170,8 +170,18 @@ def _kill_everything(pgid: int, uid: int | None) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    if uid is not None:  # the uid is this trial's alone: nothing of it may outlive the command
+    if uid is None:
+        return
+    # the uid is this trial's alone: nothing of it may outlive the command. A fork bomb forks
+    # between a scan and its kill, so kill until none is left (the next command of the trial, its
+    # verifier, would otherwise meet the process limit the survivors hold).
+    deadline = time.monotonic() + 5.0
+    while True:
         subprocess.run(["pkill", "-KILL", "-U", str(uid)], capture_output=True, check=False)
+        left = subprocess.run(["pgrep", "-U", str(uid)], capture_output=True, check=False).returncode == 0
+        if not left or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
 
 
 def _signal_of(code: int | None) -> int | None:
