@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from conftest import CLEAN_V1, FAST, Cli, figures
 
 from durable_rl._engine._store import Store
@@ -51,8 +52,11 @@ def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path: Path, to_g
     while time.monotonic() < deadline:  # mid-run: step 0 recorded, step 1's trials running
         if Path(db.removeprefix("sqlite:///")).exists():
             store = Store(db)
-            if any(e["key"].startswith("s1-") for e in store.events("stopped", "generate_attempt")):
-                break
+            try:
+                if any(e["key"].startswith("s1-") for e in store.events("stopped", "generate_attempt")):
+                    break
+            except sa.exc.OperationalError:  # the file is there, its tables not yet
+                pass
         time.sleep(0.05)
     assert store is not None
     (os.killpg if to_group else os.kill)(proc.pid, signal.SIGINT)
