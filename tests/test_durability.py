@@ -56,7 +56,7 @@ def test_crashed_driver_with_flaky_trials_and_judges_replays_and_matches_the_cle
 
 def test_whole_tree_sigkilled_at_a_random_moment_then_resumed(cli: Cli) -> None:
     proc = cli.popen("train", "--run-id", "killed")
-    time.sleep(random.uniform(2.0, 7.0))  # the clean run takes about 9 s at default latencies
+    time.sleep(random.uniform(2.0, 4.0))  # the clean run takes about 6 s at default latencies
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     killed_at = time.time()

@@ -329,12 +329,12 @@ class Store:
                         with self._tx() as c:
                             result = fn(c, *args, **kwargs)
                     except Exception as e:  # (a full disk fails them all: each caller hears why)
-                        future.set_exception(e)
+                        _settle(future, error=e)
                     else:  # only once its transaction committed
-                        future.set_result(result)
+                        _settle(future, result)
             else:
                 for (_, _, _, future), result in zip(batch, results, strict=True):
-                    future.set_result(result)
+                    _settle(future, result)
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
@@ -779,6 +779,16 @@ class Store:
         c.execute(_insert_ignoring_duplicates(c, cache, row))
         if done is not None:
             c.execute(events.insert().values(run_id=run_id, at=time.time(), **done))
+
+
+def _settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Tell a write's caller how it ended, unless the caller stopped waiting (a cancelled trial):
+    the write is committed (or not) either way."""
+    if future.set_running_or_notify_cancel():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _insert_ignoring_duplicates(c: Connection, table: sa.Table, row: dict[str, Any]) -> Any:
