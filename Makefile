@@ -60,3 +60,16 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .durable-rl
+
+# The documentation site (mkdocs.yml, docs/), built as CI builds it: any warning (a broken link or
+# anchor, a docstring the API reference cannot render) fails the build. Output in site/.
+# The API reference reads the source statically, so the docs need only the core and the extra.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): pyproject.toml
+	test -x $(BIN)/pip || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $@
+
+.PHONY: docs
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict
