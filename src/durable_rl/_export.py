@@ -1,7 +1,7 @@
 """Export a run's trials, one row per trial, as JSON Lines, Parquet or a Hugging Face `datasets`
 folder: the data a trainer, an eval or a notebook reads without the state database.
 
-The rows are the same in every format (the README's schema table): nested lists and structs
+The rows are the same in every format (the column table in docs/observability.md): nested lists and structs
 where the data is nested (messages, turns, tool calls, failures), JSON text where it is free-form
 (tool arguments, verifier details, metadata). Reward components and judge scores are a JSON
 object in JSON Lines and a list of {name, value} in Parquet and `datasets` (which has no map type).

@@ -29,7 +29,8 @@ def exit_now(code: int) -> NoReturn:
     """End this process with `code` once its work is done, as a normal exit would, less the
     interpreter's teardown: non-daemon threads are joined, atexit handlers run and the standard
     streams are flushed, but the hundreds of loaded modules (matplotlib, DBOS, SQLAlchemy) are not
-    torn down one by one, which took about 0.17 s of every command that loaded them."""
+    torn down one by one, which would add a noticeable part of a second to every command that
+    loaded them."""
     # a normal exit's first part: executors' idle workers told to stop, then non-daemon threads joined
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:

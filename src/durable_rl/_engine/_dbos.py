@@ -45,7 +45,8 @@ from ._sqlite import sqlite_engine
 from ._steps import record_step as _record_step
 from ._store import Store, connection_lost, lost_connection_text, sqlalchemy_url, sqlite_path, storage_fault
 
-# 4: each run its own DBOS application (see app_name); 5: trials recorded in the run's record, not as DBOS steps
+# Changed whenever the shape of a run's workflow changes: DBOS recovers only the workflows of its own
+# application version, so a run recorded by another version is resumed by the version that started it.
 ENGINE_VERSION = "5"
 RESULT_POLL_S = 0.02
 RECOVERY_POLL_S = 0.05  # how often a resumed driver's DBOS looks for its recovered workflow

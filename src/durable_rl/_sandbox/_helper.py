@@ -2,9 +2,9 @@
 their overlay working copies, for the driver that forked it.
 
 Each of those is a handful of system calls. Made by threads of the driver, every call's return
-waited for the GIL behind the event loop that all the step's trials share, and the trials waited
-behind those threads: at 96 trials a step, a step's uid leases and copies took 90-110 ms to be
-ready for the last trials. The helper has no GIL to share. The driver's event loop talks to it
+would wait for the GIL behind the event loop that all the step's trials share, and the trials
+would wait behind those threads, the more so the more trials a step has. The helper has no GIL
+to share. The driver's event loop talks to it
 over a socket it reads itself (no thread in between): one line of JSON a request, one a reply.
 
 The helper holds the uid leases' locks, so a lease lives exactly as long as the helper, which

@@ -295,10 +295,10 @@ def _make(
 
 # An overlay copy is a dozen folders and four mounts: a fraction of a millisecond alone, all of
 # it system calls, and each call's return takes the GIL back from the event loop every trial
-# shares. Made by one thread, a 96-trial step's copies were ready about as soon as by eight (their
-# calls queue for the GIL and the kernel's mount lock anyway), and the trials' turns, no longer
-# waiting behind eight threads for the GIL, ran sooner: the step came nearer its critical path
-# (benchmarks/step_overhead.py --steps 8). A copy of the files (the copy and reflink methods) is
+# shares. Made by one thread, a step's copies are ready about as soon as by eight (their calls
+# queue for the GIL and the kernel's mount lock anyway), and the trials' turns, not waiting behind
+# eight threads for the GIL, run sooner: the step comes nearer its critical path
+# (benchmarks/step_overhead.py --steps 8 shows it). A copy of the files (the copy and reflink methods) is
 # I/O that threads overlap: those keep eight. Removals have threads of their own. In a driver or a
 # worker, the sandbox helper (_helper.py), a process with no GIL to share, makes and removes the
 # overlay copies instead: these threads serve where it does not run.
