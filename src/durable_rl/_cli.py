@@ -14,7 +14,6 @@ from typing import Annotated, Any, NoReturn
 
 import sqlalchemy as sa
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from ._api import check_same_engine, record_run
@@ -27,6 +26,7 @@ from ._loop import trial_specs
 from ._procs import exit_now
 from ._progress import Background, Follower, watch_run
 from ._rubrics import load_rubric
+from ._terminal import console, guard_standard_streams
 from ._tracking import Tracking, check_backends
 from ._views import step_metrics, trial_details
 
@@ -522,7 +522,7 @@ def list_runs(as_json: _JSON = False) -> None:
             row["rubric"],
             row["source_run"] or "",
         )
-    Console().print(table)
+    console().print(table)
 
 
 @app.command()
@@ -548,7 +548,7 @@ def show(
     if as_json:
         print(json.dumps(summary))
         return
-    console = Console()
+    out = console()
     steps = Table(
         "step",
         "trials",
@@ -569,11 +569,11 @@ def show(
             f"{s['wall_s']:.2f}",
             str(s["driver_attempt"]),
         )
-    console.print(steps)
+    out.print(steps)
     counters = Table("counter", "value")
     for name, value in summary["counters"].items():
         counters.add_row(name, str(value))
-    console.print(counters)
+    out.print(counters)
 
 
 def _show_trials(rows: list[dict[str, Any]], as_json: bool) -> None:
@@ -596,7 +596,7 @@ def _show_trials(rows: list[dict[str, Any]], as_json: bool) -> None:
             t["root_cause"] or "",
             ", ".join(f"{k}={v}" for k, v in info.items() if k != "rewards"),
         )
-    Console().print(table)
+    console().print(table)
 
 
 def _show_metrics(rows: list[dict[str, Any]], as_json: bool) -> None:
@@ -607,7 +607,7 @@ def _show_metrics(rows: list[dict[str, Any]], as_json: bool) -> None:
     table = Table("metric", *[f"step {r['step']}" for r in rows])
     for name in names:
         table.add_row(name, *["" if name not in r["metrics"] else f"{r['metrics'][name]:g}" for r in rows])
-    Console().print(table)
+    console().print(table)
 
 
 @app.command()
@@ -744,6 +744,7 @@ _UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c._
 def main() -> NoReturn:
     """Entry point of the `durable-rl` command: a usage error or a bad input is one line and exit 2."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    guard_standard_streams()  # what a trial or a task wrote reaches the terminal as text only
     exit_now(_command_code())  # a command that loaded the report's plotting would spend 0.17 s tearing it down
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 import sqlalchemy as sa
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -27,6 +27,7 @@ from rich.text import Text
 from . import _units
 from ._engine._lines import skipped_line, step_line
 from ._engine._store import Store, events, steps
+from ._terminal import Printable, console
 from ._unit import policy_of
 
 POLL_S = 0.25  # how often the record is read: a finished trial shows within this, plus one render
@@ -281,8 +282,10 @@ def follow(
     """Render the run's progress on `out` until `until()` is true, then once more (nothing is missed).
 
     `on_step(row)` is called once for each step as it is recorded (the experiment loggers);
-    `wait(poll_s)` passes the time between reads (an event's wait ends it early).
+    `wait(poll_s)` passes the time between reads (an event's wait ends it early). Trial ids and
+    errors are the record's text: they reach `out` as text only (see `_terminal`).
     """
+    out = Printable.wrap(out)
     seen_steps: set[int] = set()
 
     def new_steps() -> None:
@@ -294,8 +297,17 @@ def follow(
                 on_step(s.recorded)
 
     if live:
-        console = Console(file=out)
-        with Live(follower.panel(time.time()), console=console, refresh_per_second=4, transient=True) as view:
+        # other writes to stdout and stderr go through their own `Printable`, not through rich's
+        # redirection, which would decode the escape sequences in them into styles it then draws
+        view = Live(
+            follower.panel(time.time()),
+            console=console(file=out),
+            refresh_per_second=4,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
+        with view:
             while True:
                 finishing = until()
                 for line in follower.poll():
@@ -385,6 +397,7 @@ def watch_run(
     """Follow a run from its record until it is no longer running: its step lines and progress as
     `train` shows them, or with `as_json` one JSON object per line (steps, progress, then the summary)."""
     follower = Follower(store, run_id)
+    out = Printable.wrap(out)
 
     def ended() -> bool:
         row = store.run(run_id)

@@ -17,6 +17,7 @@ from typing import Any
 
 from .._procs import exit_now
 from .._sandbox._helper import start_helper
+from .._terminal import guard_standard_streams
 from ._engines import run_driver as engine_driver
 from ._store import Store, connection_lost, shown, storage_fault
 from ._supervisor import EXIT_ALREADY_DRIVEN, EXIT_RUN_FAILED, EXIT_STORAGE, LEASE_S
@@ -145,6 +146,7 @@ def drive_to_end(run_id: str, url: str, store: Store, run: Awaitable[None]) -> i
 
 def main(argv: list[str]) -> int:
     run_id, url = argv[0], os.environ["DURABLE_RL_DB"]
+    guard_standard_streams()  # its lines and logs carry trials' errors: text only, to the terminal
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     store = Store(url)
     holder = store.take_lease(run_id, LEASE_S)

@@ -35,6 +35,7 @@ from dbos import DBOS, DBOSConfig
 from .._config import UnitName
 from .._sandbox._helper import start_helper
 from .._sandbox._workspace import sweep, trials_dir_for
+from .._terminal import guard_standard_streams
 from ._calls import Process, attempt_unit, current, retries, run_config, start, state_folder, unit_identity
 from ._dbos import _one_launch_at_a_time, _RunEndsAreOurs
 from ._fleet import DEAD_AFTER_S, HEARTBEAT_S, beat, claim_dead, leave, local_snapshot
@@ -136,6 +137,7 @@ def _beat_and_recover(
 
 def main(url: str) -> int:
     """Serve units until SIGINT or SIGTERM; a clean stop hands this worker's pending units on."""
+    guard_standard_streams()  # its logs carry trials' errors: text only, to the terminal
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     start_helper()  # before the first thread: it is a fork
     store = Store.create(url)
