@@ -5,6 +5,7 @@ a running run, and a rescore beside its source. Screenshots are taken and checke
 from __future__ import annotations
 
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +116,48 @@ def test_a_rescore_beside_its_source(cli: Cli, browser: object, tmp_path: Path) 
         assert text.count("same rollout") == 6 and text.count("different rollout") == 6  # step 0 reused
         assert "1.601" in text and "2.391" in text
         _shot(page, tmp_path, "compare")
+
+
+def _get(port: int, host: str | None, path: str) -> tuple[int, bytes]:
+    """A raw HTTP/1.0 GET to 127.0.0.1:`port` with the Host header given (none for None): the
+    status and the body, as a page whose name a DNS rebinding pointed here would send it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        head = f"GET {path} HTTP/1.0\r\n" + (f"Host: {host}\r\n" if host is not None else "") + "\r\n"
+        s.sendall(head.encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def test_the_view_answers_only_requests_addressed_to_the_names_it_serves(cli: Cli) -> None:
+    cli.json("train", "--run-id", "demo", "--n-steps", "1", *FAST)
+    bad = cli.run("ui", "--port", "0", "--host", "*")  # a wildcard would let every name in
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--host '*'" in bad.stderr, bad.stderr
+    proc = cli.popen("ui", "--port", "0", "--host", "drl.Example.internal")
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("durable-rl ui: http://127.0.0.1:"), line + (proc.stderr.read() if proc.stderr else "")
+        port = int(line.split()[2].rstrip("/").rsplit(":", 1)[1])
+        refused = [
+            "evil.example",
+            f"evil.example:{port}",
+            "127.0.0.1.evil.example",
+            "localhost.evil.example",
+            "notlocalhost",
+            "127.0.0.2",
+            "",
+            None,
+        ]
+        for host in refused:
+            for path in ("/", "/api/runs", "/api/runs/demo", "/runs/demo"):
+                status, body = _get(port, host, path)
+                assert status in (400, 421) and b"demo" not in body, (host, path, status, body)
+        for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "LOCALHOST", "drl.example.internal:443"):
+            status, body = _get(port, host, "/api/runs")
+            assert status == 200 and b'"demo"' in body, (host, status, body)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

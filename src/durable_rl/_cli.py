@@ -669,6 +669,14 @@ def export(
 @app.command()
 def ui(
     port: Annotated[int, typer.Option(help="Port on 127.0.0.1 (0: any free port).")] = 8765,
+    host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--host",
+            help="Another name the view is reached by (a tunnel's or proxy's), besides 127.0.0.1 and localhost; "
+            "requests addressed to any other name are refused. It still listens on 127.0.0.1 only.",
+        ),
+    ] = None,
 ) -> None:
     """Serve a web view of the runs in the state database, on this machine only (127.0.0.1)."""
     from ._web import serve
@@ -676,7 +684,7 @@ def ui(
     if not 0 <= port <= 65535:
         _fail(f"--port {port}: expected 0 to 65535")
     try:
-        serve(_state.url, port)
+        serve(_state.url, port, tuple(host or ()))
     except UserError as e:
         _fail(str(e))
     except KeyboardInterrupt:

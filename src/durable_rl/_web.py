@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import socket
 from functools import partial
 from typing import Any
@@ -18,6 +19,8 @@ from urllib.parse import quote
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -28,6 +31,11 @@ from ._report import config_rows, ledger_html, plot_svg
 from ._views import recorded, step_metrics, trial_details
 
 HOST = "127.0.0.1"
+# the names a request may address this view by (its Host header, port aside): a page of another
+# name that a DNS rebinding points at 127.0.0.1 reads nothing (400)
+SERVED_NAMES = (HOST, "localhost")
+_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 REFRESH_MS = 1500  # a running run's page checks the record this often
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:72em;color:#222;padding:0 1em}
@@ -348,8 +356,17 @@ class _NotFound(Exception):
     pass
 
 
-def app(store: Store) -> Starlette:
-    """The web view over `store` (an ASGI app; `serve` runs it)."""
+def check_host_name(name: str) -> str:
+    """`name` as a name the view may be addressed by (`--host`), or a UserError: a host name or an
+    IPv4 address, no port, no wildcard."""
+    if len(name) > 253 or not _NAME.fullmatch(name):
+        raise UserError(f"--host {name!r}: expected a host name or an IPv4 address (no port, no wildcard)")
+    return name.lower()
+
+
+def app(store: Store, names: tuple[str, ...] = ()) -> Starlette:
+    """The web view over `store` (an ASGI app; `serve` runs it), answering requests addressed to
+    127.0.0.1, localhost or one of `names`; any other Host header is refused (400)."""
     views = Views(store)
 
     async def call(fn: Any, *args: Any) -> Any:
@@ -402,13 +419,18 @@ def app(store: Store) -> Starlette:
             Route("/api/runs/{run_id}/version", api_version),
         ],
         exception_handlers={_NotFound: not_found},
+        middleware=[
+            Middleware(TrustedHostMiddleware, allowed_hosts=[*SERVED_NAMES, *names], www_redirect=False),
+        ],
     )
 
 
-def serve(url: str, port: int) -> None:
-    """Serve the web view of the database at `url` on 127.0.0.1:`port` until interrupted."""
+def serve(url: str, port: int, names: tuple[str, ...] = ()) -> None:
+    """Serve the web view of the database at `url` on 127.0.0.1:`port` until interrupted, to
+    requests addressed to 127.0.0.1, localhost or one of `names` (a tunnel's or a proxy's)."""
     import uvicorn
 
+    names = tuple(check_host_name(n) for n in names)
     store = Store.open_existing(url)
     if store is None:
         raise UserError(f"no runs in {url} yet: `durable-rl train` records one")
@@ -418,6 +440,7 @@ def serve(url: str, port: int) -> None:
         sock.bind((HOST, port))
     except OSError as e:
         raise UserError(f"--port {port}: cannot listen on {HOST}: {e.strerror}") from None
+    sock.listen(2048)  # the URL printed next is reachable at once: connections wait for the server
     print(f"durable-rl ui: http://{HOST}:{sock.getsockname()[1]}/ (Ctrl-C stops it)", flush=True)
-    config = uvicorn.Config(app(store), log_level="warning", lifespan="off")
+    config = uvicorn.Config(app(store, names), log_level="warning", lifespan="off")
     uvicorn.Server(config).run(sockets=[sock])
