@@ -33,6 +33,7 @@ from .._config import UnitName
 from .._faults import Faults
 from .._identity import canonical
 from .._models import Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World
+from .._terminal import guard_standard_streams
 from .._unit import policy_of
 from . import _calls
 from ._calls import (
@@ -78,6 +79,7 @@ def _process() -> Process:
     """This process's link to the run's record: the driver's, or in a task pod of a cluster, one
     opened from DURABLE_RL_DB (a database every pod reaches, i.e. PostgreSQL)."""
     if _calls._proc is None:
+        guard_standard_streams()  # a pod's log is read in a terminal too: trials' errors as text only
         url = os.environ["DURABLE_RL_DB"]
         start(Process(store=Store(url), url=url, attempt=0, out=sys.stdout))
     return _calls.current()
