@@ -696,6 +696,14 @@ def worker(
     db: Annotated[
         str | None, typer.Option("--db", help="State database URL (as before the command; postgresql://...).")
     ] = None,
+    trust_plugin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--trust-plugin",
+            help="A module whose module:attr plug-ins this worker may import (repeatable; from its own "
+            "import path). Built-ins and installed entry points are always trusted.",
+        ),
+    ] = None,
 ) -> None:
     """Take sandbox and judge units of the database's runs from its queues until stopped (Ctrl-C).
     Start any number, on any machine that reaches the database; drivers use them while they live."""
@@ -705,7 +713,7 @@ def worker(
     url = db or _state.url
     try:
         check_url(url)
-        code = worker_main(url)
+        code = worker_main(url, trust_plugin or [])
     except UserError as e:
         _fail(str(e))
     raise typer.Exit(code)

@@ -3,6 +3,11 @@
 Entry-point groups: `durable_rl.environments`, `durable_rl.agents`, `durable_rl.judges`,
 `durable_rl.trainers` (an entry point `name = "pkg.mod:Class"` makes `--env name` work).
 Built-ins are named here as import paths, so nothing that imports the registry imports them.
+
+A process that reads its plug-ins from a record it does not own (a worker serving whatever runs
+the database holds) is started with `trust_only`: it then imports the built-ins, installed entry
+points and the `module:attr` plug-ins of the modules it was told to trust, from its own import
+path; a `module:attr` or `python_path` read from the record imports nothing else.
 """
 
 from __future__ import annotations
@@ -54,8 +59,28 @@ class PluginError(UserError):
     """A plug-in that cannot be found, imported or configured."""
 
 
+_trusted: tuple[str, ...] | None = None  # None: any module:attr this process is given (its user named it)
+
+
+def trust_only(modules: list[str]) -> None:
+    """From now on, import `module:attr` plug-ins only of these modules (and their submodules), and
+    add no folder a record names to the import path."""
+    global _trusted
+    for m in modules:
+        if not m or not all(part.isidentifier() for part in m.split(".")):
+            raise PluginError(f"--trust-plugin {m!r}: expected a module name (e.g. mypkg.plugins)")
+    _trusted = tuple(modules)
+
+
+def _is_trusted(module: str) -> bool:
+    return _trusted is None or any(module == m or module.startswith(m + ".") for m in _trusted)
+
+
 def add_paths(paths: list[str]) -> None:
-    """Make folders importable, so `module:attr` plug-ins found from the CLI's folder are found by the driver too."""
+    """Make folders importable, so `module:attr` plug-ins found from the CLI's folder are found by
+    the driver too; a process that trusts only some modules imports from its own path alone."""
+    if _trusted is not None:
+        return
     for p in reversed(paths):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -95,9 +120,15 @@ def known(category: Category) -> list[str]:
 
 def resolve(category: Category, kind: str) -> type[Plugin]:
     """The plug-in class `kind` names in `category`, or a PluginError that says why not."""
-    target = BUILTINS[category].get(kind) or _entry_point(category, kind) or (kind if ":" in kind else None)
+    installed = BUILTINS[category].get(kind) or _entry_point(category, kind)
+    target = installed or (kind if ":" in kind else None)
     if target is None:
         raise PluginError(f"--{category} {kind!r}: unknown; use one of {', '.join(known(category))} or module:attr")
+    if installed is None and not _is_trusted(kind.partition(":")[0]):  # a module named by a record
+        raise PluginError(
+            f"--{category} {kind!r}: not a plug-in this process trusts; "
+            f"start it with --trust-plugin {kind.partition(':')[0]} to import it"
+        )
     try:
         cls = _import(target)
     except ValueError as e:

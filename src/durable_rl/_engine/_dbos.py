@@ -40,14 +40,16 @@ from .._loop import EndpointDown, StepFailed, StepRecord, TrialOutcome, UnitFail
 from .._models import Reward, StepResult, Trajectory, TrialSpec, Weights, World
 from .._sandbox._workspace import sweep, trials_dir_for
 from ._calls import Process, current, db, run_config, run_unit, start, state_folder
+from ._json_only import engine_error, json_only
 from ._remote import Remote
 from ._sqlite import sqlite_engine
 from ._steps import record_step as _record_step
 from ._store import Store, connection_lost, lost_connection_text, sqlalchemy_url, sqlite_path, storage_fault
 
-# Changed whenever the shape of a run's workflow changes: DBOS recovers only the workflows of its own
-# application version, so a run recorded by another version is resumed by the version that started it.
-ENGINE_VERSION = "5"
+# Changed whenever the shape of a run's workflow or of its rows changes (6: DBOS's rows in JSON, never
+# pickle; see _json_only): DBOS recovers only the workflows of its own application version, so a run
+# recorded by another version is resumed by the version that started it.
+ENGINE_VERSION = "6"
 RESULT_POLL_S = 0.02
 RECOVERY_POLL_S = 0.05  # how often a resumed driver's DBOS looks for its recovered workflow
 STOP_CLEANUP_S = 10.0  # how long a stop waits for cancelled trials to clean up
@@ -287,6 +289,7 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
         # DBOS's listener for messages and events, which durable-rl does not use; its join at the
         # end of a run waits out one interval
         "notification_listener_polling_interval_sec": 0.1,
+        "serializer": json_only(),  # nothing the record holds is ever unpickled
     }
     if sqlite_path(url) is not None:
         config["system_database_engine"] = sqlite_engine(url)
@@ -319,7 +322,10 @@ async def run_driver(run_id: str, url: str, store: Store, attempt: int, out: Any
                     f"{config['application_version']}): resume it with the durable-rl version that started it"
                 )
             handle: WorkflowHandleAsync[int] = await DBOS.retrieve_workflow_async(run_id)
-            await handle.get_result(polling_interval_sec=RESULT_POLL_S)  # a wait, not a hop: 20 ms
+            try:
+                await handle.get_result(polling_interval_sec=RESULT_POLL_S)  # a wait, not a hop: 20 ms
+            except Exception as e:  # read back from the record as JSON: the engine's own error again
+                raise engine_error(e, (StepFailed, EndpointDown, UnitFailed)) from None
     finally:
         remote(url).close()
         DBOS.destroy()

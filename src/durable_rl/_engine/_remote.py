@@ -26,6 +26,7 @@ from .._config import RunConfig, UnitName
 from .._identity import canonical_json
 from ._calls import current, db, unit_identity
 from ._fleet import DEAD_AFTER_S, any_worker_ever, has_blob, live_workers, put_blob, snapshot_archive
+from ._json_only import json_only
 from ._store import connection_lost
 
 WORKER_APP = "durable-rl-worker"  # the workers' DBOS application: they dequeue only its workflows
@@ -82,7 +83,7 @@ class Remote:
     @property
     def client(self) -> DBOSClient:
         if self._client is None:
-            self._client = DBOSClient(system_database_url=self.url, application_name=WORKER_APP)
+            self._client = DBOSClient(system_database_url=self.url, application_name=WORKER_APP, serializer=json_only())
         return self._client
 
     async def available(self) -> bool:

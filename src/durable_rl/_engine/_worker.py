@@ -28,17 +28,22 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from dbos import DBOS, DBOSConfig
+from pydantic import Field, ValidationError
 
 from .._config import UnitName
+from .._errors import UserError
+from .._models import Trajectory, TrialSpec, Weights, _Frozen
+from .._registry import trust_only
 from .._sandbox._helper import start_helper
 from .._sandbox._workspace import sweep, trials_dir_for
 from .._terminal import guard_standard_streams
 from ._calls import Process, attempt_unit, current, retries, run_config, start, state_folder, unit_identity
 from ._dbos import _one_launch_at_a_time, _RunEndsAreOurs
 from ._fleet import DEAD_AFTER_S, HEARTBEAT_S, beat, claim_dead, leave, local_snapshot
+from ._json_only import json_only
 from ._remote import UNIT_WORKFLOW, WORKER_APP, app_version
 from ._sqlite import sqlite_engine
 from ._store import Store, shown, sqlite_path
@@ -52,10 +57,65 @@ def _local_world(world: dict[str, Any]) -> dict[str, Any]:
     return {**world, "root": str(root)}  # where it lies is not part of its identity
 
 
+class _SnapshotRef(_Frozen):
+    """A world as a unit's input names it: its snapshot is fetched by this hash, so a hash it is."""
+
+    world_id: str
+    root: str  # the driver's path: not used here (the snapshot is this worker's own copy)
+    content_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class _GenerateArgs(_Frozen):
+    spec: TrialSpec
+    weights: Weights
+    world: _SnapshotRef
+
+
+class _JudgeArgs(_Frozen):
+    traj: Trajectory
+
+
+class _UnitCall(_Frozen):
+    """What a unit workflow's input must be before a worker acts on it: the units a driver hands
+    to workers, with their arguments' models, for a run the record holds."""
+
+    run_id: str = Field(min_length=1, max_length=200)
+    unit: Literal["generate", "verify_and_judge"]
+    key: str = Field(min_length=1, max_length=500)
+    args_json: str
+
+
+ARGS: dict[str, type[_Frozen]] = {"generate": _GenerateArgs, "verify_and_judge": _JudgeArgs}
+
+
+def _checked(run_id: object, unit: object, key: object, args_json: object) -> tuple[_UnitCall, dict[str, Any]]:
+    """The call and its arguments, validated against their models, and the run's config read with
+    only the plug-ins this worker trusts; a ValueError (or PluginError) says what is wrong."""
+    try:
+        call = _UnitCall.model_validate({"run_id": run_id, "unit": unit, "key": key, "args_json": args_json})
+        ARGS[call.unit].model_validate_json(call.args_json)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "input"
+        raise ValueError(f"its input is not a unit call ({where}: {err['msg']})") from None
+    if current().store.run(call.run_id) is None:
+        raise ValueError(f"run {call.run_id!r} is not in the record")
+    run_config(call.run_id)  # its plug-ins: built-ins, installed ones, or modules this worker trusts
+    args: dict[str, Any] = json.loads(call.args_json)  # as the driver made them: the identity is of these
+    return call, args
+
+
 @DBOS.workflow(name=UNIT_WORKFLOW)
 async def unit_workflow(run_id: str, unit: UnitName, key: str, args_json: str) -> dict[str, Any]:
-    """One unit call for a driver: attempts until one succeeds or its retries are spent."""
-    args = json.loads(args_json)
+    """One unit call for a driver: attempts until one succeeds or its retries are spent. An input
+    that is not a valid call of a run in the record is refused in one line, and nothing runs."""
+    try:
+        call, args = await asyncio.to_thread(_checked, run_id, unit, key, args_json)
+    except (ValueError, UserError) as e:
+        why = f"refused: {e}"
+        print(f"worker: unit workflow {DBOS.workflow_id} {why}", file=sys.stderr, flush=True)
+        return {"ok": False, "error": why}
+    run_id, unit, key = call.run_id, call.unit, call.key
     if unit == "generate":
         args["world"] = await asyncio.to_thread(_local_world, args["world"])
     config = run_config(run_id)
@@ -135,8 +195,11 @@ def _beat_and_recover(
             print(f"worker {worker_id}: recovered {len(handles)} units of dead worker {other}", flush=True)
 
 
-def main(url: str) -> int:
-    """Serve units until SIGINT or SIGTERM; a clean stop hands this worker's pending units on."""
+def main(url: str, trusted: list[str] | None = None) -> int:
+    """Serve units until SIGINT or SIGTERM; a clean stop hands this worker's pending units on.
+    `trusted`: the modules whose `module:attr` plug-ins it imports (with the built-ins and the
+    installed entry points); a plug-in or import path named by the record imports nothing else."""
+    trust_only(trusted or [])  # first: nothing read from the record imports before it holds
     guard_standard_streams()  # its logs carry trials' errors: text only, to the terminal
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     start_helper()  # before the first thread: it is a fork
@@ -151,6 +214,7 @@ def main(url: str) -> int:
         "executor_id": worker_id,
         "log_level": "WARNING",
         "sys_db_pool_size": 6,  # many workers share one server's connection limit
+        "serializer": json_only(),  # nothing the record holds is ever unpickled
     }
     if sqlite_path(url) is not None:
         config["system_database_engine"] = sqlite_engine(url)
