@@ -27,13 +27,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import CLEAN_V1, FAST, Cli, figures
-from dbos import DBOSClient, EnqueueOptions
+from dbos import DBOSClient, DBOSPortableJSONSerializer, EnqueueOptions
 
 from durable_rl._engine._fleet import live_workers
 from durable_rl._engine._remote import UNIT_WORKFLOW, WORKER_APP, app_version
 from durable_rl._engine._store import Store
 
 pytestmark = pytest.mark.postgres
+UNPICKLE = "import base64, pickle, sys; pickle.loads(base64.b64decode(sys.argv[1]))"
 
 
 class _Command:
@@ -124,7 +125,7 @@ def test_no_row_is_unpickled_and_no_plugin_named_by_the_record_is_imported(pg_cl
         json_client = DBOSClient(
             system_database_url=pg_cli.db,
             application_name=WORKER_APP,
-            serializer=__import__("dbos").DBOSPortableJSONSerializer(),
+            serializer=DBOSPortableJSONSerializer(),
         )
         try:
             json_client.enqueue(_options("attack-plugin"), "evil", "verify_and_judge", "t", traj)
@@ -154,8 +155,7 @@ def test_no_row_is_unpickled_and_no_plugin_named_by_the_record_is_imported(pg_cl
         # the attack is live: the same row's bytes, unpickled in a throwaway process, run its command
         control = tmp_path / "control"
         subprocess.run(
-            [sys.executable, "-c", "import base64, pickle, sys; pickle.loads(base64.b64decode(sys.argv[1]))"]
-            + [pickled.inputs],
+            [sys.executable, "-c", UNPICKLE, pickled.inputs],
             env={**os.environ, "CANARY": str(control)},
             check=True,
             timeout=30,

@@ -11,7 +11,7 @@ its workflow as failed and logs one line), and nothing of it runs.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from dbos import DBOSPortableJSONSerializer, PortableWorkflowError
 from dbos import _serialization as _dbos_serialization  # the one place DBOS's pickle reader lives
@@ -55,14 +55,3 @@ def engine_error(error: BaseException, known: tuple[type[Exception], ...]) -> Ba
             if cls.__name__ == error.name:
                 return cls(error.message)
     return error
-
-
-def is_json(value: Any) -> bool:
-    """Whether `value` is made of JSON's types only (what the engine passes through DBOS)."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return True
-    if isinstance(value, list):
-        return all(is_json(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and is_json(v) for k, v in value.items())
-    return False

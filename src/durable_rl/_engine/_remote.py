@@ -193,7 +193,7 @@ class Remote:
             if future is None or future.done() or status.status in ("PENDING", "ENQUEUED", "DELAYED"):
                 continue
             if status.status == "SUCCESS":
-                future.set_result(dict(status.output or {}))
+                future.set_result(_unit_result(status.workflow_id, status.output))
             else:
                 error = f"{status.status}: {status.error}" if status.error else status.status
                 future.set_result({"ok": False, "error": f"worker workflow {status.workflow_id} ended {error}"})
@@ -213,3 +213,15 @@ class Remote:
     def close(self) -> None:
         if self._client is not None:
             self._client.destroy()
+
+
+def _unit_result(wf_id: str, output: Any) -> dict[str, Any]:
+    """A worker's outcome as the record holds it, in the shape a unit's has ({"ok": True, "output":
+    text} or {"ok": False, "error": text}); anything else (a row written by someone else) is a
+    failed unit, never taken for an output. The output's text is then validated by its model."""
+    if isinstance(output, dict):
+        if output.get("ok") is True and isinstance(output.get("output"), str):
+            return {"ok": True, "output": output["output"]}
+        if output.get("ok") is False and isinstance(output.get("error"), str):
+            return {"ok": False, "error": output["error"]}
+    return {"ok": False, "error": f"worker workflow {wf_id} recorded an outcome that is not a unit's"}
