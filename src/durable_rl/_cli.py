@@ -131,6 +131,10 @@ def _supervise_and_report(
         tracking.close()
         print(f"stopped run {run_id}; to finish it: {_resume_command(run_id)}", file=sys.stderr, flush=True)
         raise typer.Exit(130) from None
+    if not ok and store.record_gone() is not None:  # the driver said so in one line; no summary of a record gone
+        progress.stop()
+        tracking.close()
+        raise typer.Exit(1)
     try:
         progress.stop()
         tracking.close()

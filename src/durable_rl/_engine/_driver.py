@@ -24,6 +24,7 @@ from ._supervisor import EXIT_ALREADY_DRIVEN, EXIT_RUN_FAILED, EXIT_STORAGE, LEA
 
 EXIT_STOPPED = 130  # as a shell reports a process ended by Ctrl-C
 LOST_AFTER_S = 10.0  # how long the state database may stay out of reach before the driver stops
+RECORD_CHECK_S = 1.0  # how often a driver looks that its SQLite file is still the one it opened
 
 
 def _lost_line(run_id: str, url: str, why: str) -> str:
@@ -31,6 +32,10 @@ def _lost_line(run_id: str, url: str, why: str) -> str:
         f"run {run_id} stopped: lost the state database {shown(url)} ({why}); "
         f"once it is back, `durable-rl resume {run_id}` finishes the run"
     )
+
+
+def _gone_line(run_id: str, gone: str) -> str:
+    return f"run {run_id} stopped: {gone} while the run used it; what it did since is in no record"
 
 
 def _exit_on_lost(line: str) -> None:
@@ -67,7 +72,15 @@ def _renew_lease_while_alive(
 
     def renew() -> None:
         lost_since: float | None = None
-        while not stop.wait(1.0 if lost_since is not None else LEASE_S / 3):
+        due = time.monotonic() + LEASE_S / 3
+        while not stop.wait(min(RECORD_CHECK_S, LEASE_S / 3)):
+            gone = store.record_gone()  # a stat: looked at more often than the lease is renewed
+            if gone is not None:
+                on_lost(_gone_line(run_id, gone))
+                return
+            if lost_since is None and time.monotonic() < due:
+                continue
+            due = time.monotonic() + LEASE_S / 3
             try:
                 holder = store.take_lease(run_id, LEASE_S)
                 lost_since = None
@@ -125,6 +138,10 @@ def drive_to_end(run_id: str, url: str, store: Store, run: Awaitable[None]) -> i
         faults.release()
         return EXIT_STOPPED
     except Exception as e:
+        gone = store.record_gone()
+        if gone is not None:  # whatever the run's end, it is in no record: said as that, and no status written
+            print(_gone_line(run_id, gone), file=sys.stderr)
+            return EXIT_STORAGE
         why = connection_lost(e)
         if why is not None:
             print(_lost_line(run_id, url, why), file=sys.stderr)
@@ -139,6 +156,10 @@ def drive_to_end(run_id: str, url: str, store: Store, run: Awaitable[None]) -> i
         store.drop_lease(run_id)
         return EXIT_RUN_FAILED
     faults.release()
+    gone = store.record_gone()
+    if gone is not None:  # a run whose record is gone has not succeeded anywhere anyone can read
+        print(_gone_line(run_id, gone), file=sys.stderr)
+        return EXIT_STORAGE
     store.set_status(run_id, "succeeded")
     store.drop_lease(run_id)
     return 0

@@ -250,6 +250,17 @@ def database_errors(url: str) -> Iterator[None]:
 _STORAGE_FAULTS = ("disk is full", "readonly database", "read-only file system", "disk i/o error", "no space left")
 
 
+def _file_id(path: Path | None) -> tuple[int, int] | None:
+    """A file's device and inode (None when there is no file there)."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def storage_fault(error: BaseException) -> str | None:
     """What is wrong with the state database's storage, if `error` (or any cause of it) says the
     database cannot be written: a full disk, a read-only file system, an I/O error."""
@@ -418,6 +429,25 @@ class Store:
         )
         self._writes = None
         self._lookups = threading.local()  # each thread's own SQLite connection for the LOOKUPS
+        self._file_id = _file_id(sqlite_path(url))  # the SQLite file this store opened
+
+    def record_gone(self) -> str | None:
+        """For a SQLite record: what became of its file once it is no longer the one this store
+        opened (deleted, or replaced: another device or inode), else None. SQLite goes on writing
+        to a deleted file's open inode, and a replaced file is another record: either way nothing
+        written from then on is in the record anyone will read."""
+        path = sqlite_path(self.url)
+        if path is None:
+            return None
+        found = _file_id(path)
+        if self._file_id is None:  # opened before the file existed: the first file seen is the record
+            self._file_id = found
+            return None
+        if found is None:
+            return f"its state database {path} was deleted"
+        if found != self._file_id:
+            return f"its state database {path} was replaced by another file (device or inode changed)"
+        return None
 
     def start_group_commit(self) -> None:
         """Commit the GROUPED writes in batches, from a thread of their own."""
