@@ -45,6 +45,7 @@ runs = sa.Table(
     sa.Column("driver_pid", sa.Integer),
     sa.Column("driver_host", sa.String(255)),
     sa.Column("lease_until", sa.Float),
+    sa.Column("lease_clock", sa.String(64)),  # the clock lease_until is read on (see lease_clock)
 )
 attempts = sa.Table(
     "drl_driver_attempts",
@@ -248,6 +249,38 @@ def database_errors(url: str) -> Iterator[None]:
 
 
 _STORAGE_FAULTS = ("disk is full", "readonly database", "read-only file system", "disk i/o error", "no space left")
+
+
+def lease_clock(c: Connection) -> tuple[str, float]:
+    """The one clock every driver's lease is written and read on, as (its name, its reading in
+    seconds), so that processes whose own clocks disagree (another machine's, one set wrong, one
+    stepped by NTP) neither take a lease a live driver renews nor keep one that lapsed.
+
+    - PostgreSQL: the database server's clock, read in this transaction.
+    - SQLite (a file on one machine): this machine's boot clock as its kernel keeps it
+      (/proc/uptime: seconds since boot, which no process's wall clock, time zone or faked clock
+      changes), named by the boot's id, so a deadline written before a reboot is no deadline now.
+    """
+    if c.dialect.name == "postgresql":
+        now = c.execute(sa.select(sa.cast(sa.func.extract("epoch", sa.func.clock_timestamp()), sa.Float))).scalar_one()
+        return "server", float(now)
+    return _boot_clock()
+
+
+def _boot_clock() -> tuple[str, float]:
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"boot:{f.read().strip()}", uptime
+    except (OSError, ValueError, IndexError):  # no Linux /proc: this process's monotonic clock, by its boot
+        return f"boot:{socket.gethostname()}", time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _lease_live(until: float | None, until_clock: str | None, clock: str, now: float) -> bool:
+    """Whether a lease deadline still holds: written on this clock (a deadline on another, such
+    as an earlier boot's, says nothing now) and not yet passed on it."""
+    return until is not None and until_clock == clock and until > now
 
 
 def _file_id(path: Path | None) -> tuple[int, int] | None:
@@ -631,18 +664,19 @@ class Store:
             # drivers could both read the lease as free and both take it; this write takes the
             # file's write lock (BEGIN IMMEDIATE), and the row's lock on PostgreSQL, until the commit
             c.execute(runs.update().where(runs.c.run_id == run_id).values(lease_until=runs.c.lease_until))
-            now = time.time()  # once the lock is held: a wait for it does not shorten the lease
-            row = c.execute(
-                sa.select(runs.c.driver_pid, runs.c.driver_host, runs.c.lease_until).where(runs.c.run_id == run_id)
+            clock, now = lease_clock(c)  # once the lock is held: a wait for it does not shorten the lease
+            pid, holder_host, until, until_clock = c.execute(
+                sa.select(runs.c.driver_pid, runs.c.driver_host, runs.c.lease_until, runs.c.lease_clock).where(
+                    runs.c.run_id == run_id
+                )
             ).one()
-            pid, holder_host, until = row
-            held = until is not None and until > now and (pid, holder_host) != (me, host)
+            held = _lease_live(until, until_clock, clock, now) and (pid, holder_host) != (me, host)
             if held and not (holder_host == host and not pid_alive(pid)):  # a dead holder here holds nothing
                 return f"pid {pid} on {holder_host}"
             c.execute(
                 runs.update()
                 .where(runs.c.run_id == run_id)
-                .values(driver_pid=me, driver_host=host, lease_until=now + seconds)
+                .values(driver_pid=me, driver_host=host, lease_until=now + seconds, lease_clock=clock)
             )
         return None
 
@@ -659,10 +693,13 @@ class Store:
     def lease_holder(self, run_id: str) -> str | None:
         """Who drives the run now (a live lease), or None."""
         with self._tx() as c:
-            pid, host, until = c.execute(
-                sa.select(runs.c.driver_pid, runs.c.driver_host, runs.c.lease_until).where(runs.c.run_id == run_id)
+            clock, now = lease_clock(c)
+            pid, host, until, until_clock = c.execute(
+                sa.select(runs.c.driver_pid, runs.c.driver_host, runs.c.lease_until, runs.c.lease_clock).where(
+                    runs.c.run_id == run_id
+                )
             ).one()
-        if until is None or until <= time.time() or (host == socket.gethostname() and not pid_alive(pid)):
+        if not _lease_live(until, until_clock, clock, now) or (host == socket.gethostname() and not pid_alive(pid)):
             return None
         return f"pid {pid} on {host}"
 
