@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -248,3 +249,50 @@ for read in (lambda: deserialize_args(payload, "py_pickle", json_only()),
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.split() == ["refused"] * 3, proc.stdout + proc.stderr
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_env"
+
+
+def test_a_worker_started_to_trust_a_plugin_module_serves_its_runs(pg_cli: Cli, tmp_path: Path) -> None:
+    """The honest side of the flag: a worker started with `--trust-plugin log_count` (the module
+    on its own import path) serves a run of the example's module:attr plug-ins to its end."""
+    example = tmp_path / "example"  # the user's folder (its state folder too): a copy, not the repository's
+    shutil.copytree(EXAMPLE, example)
+    store = Store.create(pg_cli.db)
+    folder = tmp_path / "worker"
+    folder.mkdir()
+    env = {k: v for k, v in pg_cli.env().items() if k != "DURABLE_RL_DB"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(example)) if p)
+    out = folder / "out"
+    with out.open("w") as o, (folder / "err").open("w") as e:
+        worker = subprocess.Popen(
+            [*pg_cli.argv("worker", "--db", pg_cli.db, "--trust-plugin", "log_count")],
+            cwd=folder,
+            env=env,
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
+        )
+    try:
+        _wait_for("the worker serving", lambda: "serving" in out.read_text())
+        user = Cli(example, pg_cli.db)
+        summary = user.json("train", "--config", "run.toml", "--run-id", "trusted", "--n-steps", "2")
+        assert summary["status"] == "succeeded" and summary["counters"]["trials_ok"] == 24
+        with store.engine.connect() as c:
+            served = c.execute(
+                sa.text(
+                    "select count(*) from dbos.workflow_status where workflow_uuid like 'drl:trusted:generate:%' "
+                    "and status = 'SUCCESS' and executor_id like 'worker-%'"
+                )
+            ).scalar_one()
+        assert served == 24
+        assert "refused" not in (folder / "err").read_text()
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        store.engine.dispose()
