@@ -29,13 +29,14 @@ from typing import Any
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from . import _harbor_trial as trial
-from ._harbor_config import StepConfig, TaskConfig, expand_env, unknown_keys
+from ._harbor_config import StepConfig, TaskConfig, expand_env, reserved_workdir, unknown_keys
 from ._harbor_image import (
     BUILD_UID,
     BuildError,
     Image,
     build_image,
     check_dockerfile,
+    declared_workdir,
     default_cache,
     mounted_root,
     trust_env,
@@ -185,6 +186,7 @@ def _check_runnable(folder: Path, config: TaskConfig, pass_env: tuple[str, ...] 
             f"{folder.name}: docker_image {env.docker_image} cannot be pulled here (no registry) and the task has no"
             " environment/Dockerfile to build it from"
         )
+    _check_workdirs(folder, config)
     for step in [None, *(config.steps or [])]:
         separate = config.separate_verifier(step)
         if separate is not None and separate.docker_image and not (_tests_dir(folder, step) / "Dockerfile").is_file():
@@ -209,6 +211,22 @@ def _check_runnable(folder: Path, config: TaskConfig, pass_env: tuple[str, ...] 
             notes.append("network allowlist: hosts are not filtered here; the phase runs with no network")
             break
     return notes
+
+
+def _check_workdirs(folder: Path, config: TaskConfig) -> None:
+    """Refuse a Dockerfile's last WORKDIR (the agent's image's or a separate verifier's) inside
+    /tests, /solution or /logs, as task.toml's own `workdir` is refused: those are the task's own."""
+    dockerfiles = [folder / "environment" / "Dockerfile"]
+    dockerfiles += [_tests_dir(folder, step) / "Dockerfile" for step in [None, *(config.steps or [])]]
+    for dockerfile in dict.fromkeys(d for d in dockerfiles if d.is_file()):
+        where = dockerfile.relative_to(folder)
+        try:
+            workdir = declared_workdir(_read(dockerfile))
+        except BuildError as e:
+            raise TaskError(f"{folder.name}: {where}: {e}") from None
+        why = reserved_workdir(workdir) if workdir is not None else None
+        if why is not None:
+            raise TaskError(f"{folder.name}: {where}: WORKDIR {why.removeprefix('workdir ')}")
 
 
 def _tests_dir(folder: Path, step: StepConfig | None) -> Path:
@@ -249,6 +267,8 @@ class _Runtime:
         self.rootfs = rootfs
         self.pass_env = pass_env
         self.workdir = task.config.environment.workdir or (image.workdir if image else None) or DEFAULT_WORKDIR
+        if (why := reserved_workdir(self.workdir)) is not None:  # load refused it already; never run so
+            raise TaskError(f"task {task.name}: {why}")
         self.notes = list(image.notes if image else [])
         if image is not None and not image.workdir and not task.config.environment.workdir:
             self.notes.append("the image sets no WORKDIR: commands run in /app (writable) rather than /")
@@ -543,7 +563,9 @@ class Harbor(Environment):
         ]
         if separate is None:
             user = rt.user_id(verifier.user)
-            shared = [m for m in mounts if all(m.target != own.target for own in sandbox.mounts)]
+            # bound after the trial's own mounts, so over whatever is at /tests (the same
+            # /logs/verifier bind the trial has is not made twice)
+            shared = [m for m in mounts if m not in sandbox.mounts]
             checked = await trial.run_in(
                 sandbox, "bash /tests/test.sh", env=env, limits=limits, mounts=shared, user_id=user
             )
@@ -552,9 +574,8 @@ class Harbor(Environment):
         out["verifier"] = _phase(checked)
         if kept is not None:
             await asyncio.to_thread(
-                trial.write_output, kept / "verifier", checked, "test-stdout.txt", "test-stderr.txt"
+                trial.keep_phase, logs, kept / "verifier", checked, "test-stdout.txt", "test-stderr.txt"
             )
-            await asyncio.to_thread(trial.keep_files, logs, kept / "verifier")
         if checked.ended_by == "deadline":
             out["error"] = f"verifier passed its {verifier.timeout_sec:g} s timeout and was killed"
             out["rewards"] = None
@@ -586,6 +607,8 @@ class Harbor(Environment):
         image = await task_image(task, self.cache(), tests_dir) if (tests_dir / "Dockerfile").is_file() else rt.image
         rootfs = await asyncio.to_thread(mounted_root, image) if image is not None else None
         workdir = (image.workdir if image is not None and image is not rt.image else None) or rt.workdir
+        if (why := reserved_workdir(workdir)) is not None:
+            raise TaskError(f"task {task.name}: the verifier's image: {why}")
         fresh = await asyncio.to_thread(trial.fresh_dir, _staged(sandbox, "verifier-work"), sandbox.uid)
         if rootfs is not None:
             source = await asyncio.to_thread(_below, rootfs, workdir)
@@ -661,8 +684,14 @@ class Harbor(Environment):
             await asyncio.to_thread(trial.fresh_dir, sandbox.aux / "logs" / "agent", sandbox.uid)
             ran_agent = await act(step, _read(folder / "instruction.md"), limits)
             if kept is not None:
-                await asyncio.to_thread(trial.write_output, kept / "agent", ran_agent, "stdout.txt", "stderr.txt")
-                await asyncio.to_thread(trial.keep_files, sandbox.aux / "logs" / "agent", kept / "agent")
+                await asyncio.to_thread(
+                    trial.keep_phase,
+                    sandbox.aux / "logs" / "agent",
+                    kept / "agent",
+                    ran_agent,
+                    "stdout.txt",
+                    "stderr.txt",
+                )
             result["agent"] = _phase(ran_agent) if ran_agent is not None else None
             verified = await self.verify_step(spec, sandbox, step)
             result["rewards"], result["verifier"] = verified["rewards"], verified["verifier"]
@@ -876,8 +905,14 @@ class OracleAgent(Agent):
         ran = await _solve(task, rt, None, sandbox, sandbox.limits)
         assert ran is not None
         if sandbox.files is not None:
-            await asyncio.to_thread(trial.write_output, sandbox.files / "agent", ran, "stdout.txt", "stderr.txt")
-            await asyncio.to_thread(trial.keep_files, sandbox.aux / "logs" / "agent", sandbox.files / "agent")
+            await asyncio.to_thread(
+                trial.keep_phase,
+                sandbox.aux / "logs" / "agent",
+                sandbox.files / "agent",
+                ran,
+                "stdout.txt",
+                "stderr.txt",
+            )
         phase = _phase(ran)  # a failed or timed-out agent is still verified, as Harbor does
         call = ToolCall(
             name="run", arguments={"command": "bash /solution/solve.sh"}, result=ran.stdout[-2000:], error=not ran.ok

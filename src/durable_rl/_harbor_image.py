@@ -279,6 +279,16 @@ def check_dockerfile(text: str) -> tuple[str, list[str]]:
     return base, notes
 
 
+def declared_workdir(text: str) -> str | None:
+    """The WORKDIR a Dockerfile's image ends with (its ARG and ENV values substituted, as the build
+    does), without building it; None when it sets none. A BuildError names a line that cannot be."""
+    state = _State(base="")
+    for n, word, args in instructions(text):
+        if word in ("ARG", "ENV", "WORKDIR"):
+            state.declare(n, word, args)
+    return state.workdir
+
+
 async def build_image(
     dockerfile: Path, context: Path, cache: Path, *, timeout_s: float, run: Any, extra_notes: list[str] | None = None
 ) -> Image:
@@ -461,22 +471,28 @@ class _State:
     def values(self) -> dict[str, str]:
         return {**self.args, **self.env}
 
+    def declare(self, n: int, word: str, args: str) -> PurePosixPath | None:
+        """An ARG, ENV or WORKDIR line applied to the state; a WORKDIR's path is returned."""
+        if word == "ARG":
+            for k, v in _key_values(args):
+                self.args.setdefault(k, _substitute(v, self.values()))
+        elif word == "ENV":
+            for k, v in _key_values(args):
+                self.env[k] = _substitute(v, self.values())
+        elif word == "WORKDIR":
+            path = _image_path(n, self.workdir, _substitute(args.strip(), self.values()))
+            self.workdir = str(path)
+            return path
+        return None
+
 
 async def _apply(n: int, word: str, args: str, state: _State, root: Path, context: Path, left: float, run: Any) -> None:
     if word in _IGNORED or word == "FROM":
         return
-    if word == "ARG":
-        for k, v in _key_values(args):
-            state.args.setdefault(k, _substitute(v, state.values()))
-        return
-    if word == "ENV":
-        for k, v in _key_values(args):
-            state.env[k] = _substitute(v, state.values())
-        return
-    if word == "WORKDIR":
-        path = _image_path(n, state.workdir, _substitute(args.strip(), state.values()))
-        state.workdir = str(path)
-        await asyncio.to_thread(_mkdirs, root, path)
+    if word in ("ARG", "ENV", "WORKDIR"):
+        path = state.declare(n, word, args)
+        if path is not None:
+            await asyncio.to_thread(_mkdirs, root, path)
         return
     if word == "USER":
         state.user = _substitute(args.strip(), state.values()).split(":")[0]
