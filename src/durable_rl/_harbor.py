@@ -306,8 +306,8 @@ async def _build_line(command: str, root: Path, workdir: str, env: dict[str, str
     limits = Limits(
         wall_s=wall_s, cpu_s=max(1, int(wall_s * 2)), memory_mb=8192, file_size_mb=8192, processes=1024, network=True
     )
-    # pip's and uv's downloads, shared by every build of this cache (as a BuildKit cache mount): not in the image
-    downloads = await asyncio.to_thread(_downloads, root.parent.parent / ".downloads")
+    # nothing of the cache is shared between builds: pip's, uv's, Playwright's and Hugging Face's
+    # caches under /root/.cache are the image's own, as in a Docker build without cache mounts
     try:
         return await trial.started(
             lambda: run_command(
@@ -316,10 +316,7 @@ async def _build_line(command: str, root: Path, workdir: str, env: dict[str, str
                 limits=limits,
                 uid=BUILD_UID,
                 env=env,
-                mounts=[
-                    Mount(source=root / "root", target="/root", writable=True),
-                    Mount(source=downloads, target="/root/.cache", writable=True),
-                ],
+                mounts=[Mount(source=root / "root", target="/root", writable=True)],
                 workdir=workdir,
                 rootfs=root,
                 rootfs_writable=True,
@@ -327,14 +324,6 @@ async def _build_line(command: str, root: Path, workdir: str, env: dict[str, str
         )
     except SandboxRefused as e:  # an earlier RUN line made /root a link (or removed it): the task's doing
         raise BuildError(f"the image cannot be built on: {e}") from None
-
-
-def _downloads(folder: Path) -> Path:
-    if not folder.is_dir():
-        folder.mkdir(parents=True, exist_ok=True)
-        os.chown(folder, BUILD_UID, BUILD_UID)
-        folder.chmod(0o755)
-    return folder
 
 
 _IMAGES: dict[str, Image] = {}

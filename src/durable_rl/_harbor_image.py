@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ._sandbox._workspace import content_hash
 
-BUILDER_VERSION = "2"  # 2: COPY and WORKDIR written inside the layer only
+BUILDER_VERSION = "3"  # 2: COPY and WORKDIR written inside the layer only; 3: no cache shared between builds
 BASE_SUITE = "bookworm"
 BASE_PACKAGES = ("python3", "python3-pip", "python3-venv", "ca-certificates", "curl", "fakeroot")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -436,6 +436,8 @@ def _discard_left_behind(cache: Path) -> None:
     """Remove what killed builds left in `cache`. Called with the cache's lock held: no other build
     is under way, so every such folder is a dead build's. One with a mount still under it after
     its layer's overlay is taken down stays, for a person to look at."""
+    # a download cache every build once shared (a build may have planted files in it): none reads it
+    shutil.rmtree(cache / ".downloads", ignore_errors=True)
     for entry in os.scandir(cache):
         if not (_LEFT_BY_A_BUILD.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
             continue
