@@ -23,8 +23,10 @@ import functools
 import os
 import shutil
 import tomllib
+import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
@@ -33,13 +35,17 @@ from ._harbor_config import StepConfig, TaskConfig, expand_env, reserved_workdir
 from ._harbor_image import (
     BUILD_UID,
     BuildError,
+    BuildLimits,
     Image,
     build_image,
     check_dockerfile,
     declared_workdir,
     default_cache,
+    evict,
     mounted_root,
+    release,
     trust_env,
+    use_image,
 )
 from ._harbor_trial import TaskError, VerificationFailed, read_rewards, scalar_reward
 from ._models import AgentTurn, Prompt, ToolCall, Trajectory, TrialSpec, Verdict, Weights, _Frozen
@@ -301,10 +307,17 @@ class _Runtime:
         raise TaskError(f"task {self.task.name}: user {user!r} is not in its image's /etc/passwd")
 
 
-async def _build_line(command: str, root: Path, workdir: str, env: dict[str, str], wall_s: float) -> CommandResult:
+async def _build_line(
+    command: str, root: Path, workdir: str, env: dict[str, str], wall_s: float, file_size_mb: int = 8192
+) -> CommandResult:
     """One RUN line of a Dockerfile, in the sandbox, on the image being built as its writable root."""
     limits = Limits(
-        wall_s=wall_s, cpu_s=max(1, int(wall_s * 2)), memory_mb=8192, file_size_mb=8192, processes=1024, network=True
+        wall_s=wall_s,
+        cpu_s=max(1, int(wall_s * 2)),
+        memory_mb=8192,
+        file_size_mb=file_size_mb,
+        processes=1024,
+        network=True,
     )
     # nothing of the cache is shared between builds: pip's, uv's, Playwright's and Hugging Face's
     # caches under /root/.cache are the image's own, as in a Docker build without cache mounts
@@ -329,23 +342,52 @@ async def _build_line(command: str, root: Path, workdir: str, env: dict[str, str
 _IMAGES: dict[str, Image] = {}
 
 
-async def task_image(task: HarborTask, cache: Path, context: Path | None = None) -> Image | None:
-    """The task's image (built once per content; cached across runs), or None without a Dockerfile."""
+def build_limits(task: HarborTask, settings: HarborSettings) -> tuple[BuildLimits, list[str]]:
+    """A task's build limits: its build_timeout_sec and storage_mb held to the settings' ceilings
+    (with a note for each the ceiling holds back)."""
+    env = task.config.environment
+    ceiling = settings.build_timeout_ceiling_sec
+    seconds, why, notes = env.build_timeout_sec, "build_timeout_sec", []
+    if env.build_timeout_sec > ceiling:
+        seconds = ceiling
+        why = f"build limit (build_timeout_sec {env.build_timeout_sec:g} held to the ceiling of {ceiling:g} s)"
+        notes.append(f"build_timeout_sec {env.build_timeout_sec:g}: held to this machine's ceiling of {ceiling:g} s")
+    layer_mb = min(env.storage_mb or settings.layer_ceiling_mb, settings.layer_ceiling_mb)
+    if env.storage_mb is not None and env.storage_mb > settings.layer_ceiling_mb:
+        notes.append(f"storage_mb {env.storage_mb}: its image's layer held to {settings.layer_ceiling_mb} MiB")
+    limits = BuildLimits(seconds=seconds, seconds_why=why, layer_mb=layer_mb, layer_files=settings.layer_ceiling_files)
+    return limits, notes
+
+
+async def task_image(
+    task: HarborTask, cache: Path, settings: HarborSettings, context: Path | None = None
+) -> tuple[Image, IO[str]] | None:
+    """The task's image (built once per content; cached across runs) with its lock held shared for
+    the trial that uses it (`release` it after), or None without a Dockerfile. A new image makes
+    the cache evict its least recently used ones past the settings' image_cache_limit_mb."""
     context = context or Path(task.path) / "environment"
     dockerfile = context / "Dockerfile"
     if not dockerfile.is_file():
         return None
-    key = f"{cache}:{context}"
-    if key in _IMAGES:
-        return _IMAGES[key].model_copy(update={"cache_hit": True})
-    try:
-        image = await build_image(
-            dockerfile, context, cache, timeout_s=task.config.environment.build_timeout_sec, run=_build_line
-        )
-    except BuildError as e:
-        raise TaskError(f"task {task.name}: its image cannot be built: {e}") from None
-    _IMAGES[key] = image
-    return image
+    memo = f"{cache}:{context}"
+    for _ in range(3):  # an image another process evicted between its build and its use is built again
+        image = _IMAGES.get(memo)
+        if image is None:
+            limits, _notes = build_limits(task, settings)
+            try:
+                image = await build_image(dockerfile, context, cache, limits=limits, run=_build_line)
+            except BuildError as e:
+                raise TaskError(f"task {task.name}: its image cannot be built: {e}") from None
+            if not image.cache_hit:
+                await asyncio.to_thread(evict, cache, settings.image_cache_limit_mb, image.key)
+        else:
+            image = image.model_copy(update={"cache_hit": True})
+        lock = await use_image(cache, image.key)
+        if lock is not None:
+            _IMAGES[memo] = image
+            return image, lock
+        _IMAGES.pop(memo, None)
+    raise TaskError(f"task {task.name}: its image was evicted from {cache} each time it was built")
 
 
 class HarborSettings(PluginSettings):
@@ -360,6 +402,31 @@ class HarborSettings(PluginSettings):
         None,
         description="Folder of built task images and their base system (default: $DURABLE_RL_IMAGE_CACHE, else"
         " ~/.cache/durable-rl/images or /var/cache/durable-rl/images).",
+    )
+    build_timeout_ceiling_sec: float = Field(
+        1800.0,
+        gt=0,
+        le=7 * 86400,
+        allow_inf_nan=False,
+        description="The longest an image's build may take, in seconds: a task's build_timeout_sec above it is"
+        " held to it (the task's notes and the build's error say so).",
+    )
+    layer_ceiling_mb: int = Field(
+        8192,
+        ge=1,
+        le=1 << 24,
+        description="The most disk an image's own layer may take, in MiB: a task's storage_mb bounds its"
+        " layer when smaller. A build past it stops with one line; nothing of it is kept.",
+    )
+    layer_ceiling_files: int = Field(
+        1_000_000, ge=1, le=1 << 32, description="The most files, folders and links an image's own layer may hold."
+    )
+    image_cache_limit_mb: int = Field(
+        51200,
+        ge=1,
+        le=1 << 30,
+        description="The most disk the cached images' layers may take together, in MiB (the base system aside):"
+        " a new image evicts the least recently used ones past it, never one a live trial uses.",
     )
 
     @field_validator("path")
@@ -384,13 +451,15 @@ class Harbor(Environment):
     def __init__(self, settings: PluginSettings | None = None) -> None:
         super().__init__(settings)
         self._runtimes: dict[str, _Runtime] = {}
+        self._leases: dict[str, list[Callable[[], object]]] = {}  # each live trial's image locks
 
     def identity(self) -> dict[str, Any]:
         return {"kind": self.kind, "version": self.version}  # each task's identity is its files' hashes
 
     def notes(self) -> list[str]:
         tasks, bad = task_set(self.settings.path, tuple(self.settings.pass_env))
-        return [*bad, *(f"task {t.name}: {n}" for t in tasks for n in t.notes)]
+        held = [(t, build_limits(t, self.settings)[1] if t.dockerfile else []) for t in tasks]
+        return [*bad, *(f"task {t.name}: {n}" for t, more in held for n in [*t.notes, *more])]
 
     def tasks(self) -> dict[str, HarborTask]:
         """The task set, by name."""
@@ -433,16 +502,29 @@ class Harbor(Environment):
             for s in config.steps or []
         ]
         run = sum(phases) if phases else (config.agent.timeout_sec or 600.0) + config.verifier.timeout_sec
-        return config.environment.build_timeout_sec + run + 120.0
+        return min(config.environment.build_timeout_sec, self.settings.build_timeout_ceiling_sec) + run + 120.0
+
+    async def _image(
+        self, spec: TrialSpec, task: HarborTask, sandbox: Sandbox, context: Path | None = None
+    ) -> Image | None:
+        """The task's image (see task_image), kept from eviction until the trial's sandbox is gone."""
+        found = await task_image(task, self.cache(), self.settings, context)
+        if found is None:
+            return None
+        image, lock = found
+        # let go when the trial is verified, or when its sandbox is gone however the trial ended
+        self._leases.setdefault(spec.trial_id, []).append(weakref.finalize(sandbox, release, lock))
+        return image
 
     # ---- a trial ------------------------------------------------------------------------------
 
     async def setup(self, spec: TrialSpec, sandbox: Sandbox) -> None:
         """The image, the working copy at WORKDIR, Harbor's folders, the environment's healthcheck."""
         task = self.task(spec.world_id)
-        image = await task_image(task, self.cache())
+        image = await self._image(spec, task, sandbox)
         rootfs = await asyncio.to_thread(mounted_root, image) if image is not None else None
         rt = _Runtime(task, image, rootfs, tuple(self.settings.pass_env))
+        rt.notes += build_limits(task, self.settings)[1] if image is not None else []
         self._runtimes[spec.trial_id] = rt
         if rootfs is not None:
             await asyncio.to_thread(_copy_image_workdir, rootfs, rt.workdir, sandbox)
@@ -496,6 +578,8 @@ class Harbor(Environment):
                 summary = {"verifier": result["verifier"]["ended_by"]}
         finally:
             self._runtimes.pop(spec.trial_id, None)
+            for lease in self._leases.pop(spec.trial_id, []):
+                lease()
         score = round(scalar_reward(rewards), 6)
         if rt.image is not None:
             details["image"] = {
@@ -593,7 +677,7 @@ class Harbor(Environment):
         else a fresh copy of the task's; only /logs/artifacts and the declared artifacts cross over,
         restored at their absolute paths."""
         tests_dir = _tests_dir(Path(task.path), step)
-        image = await task_image(task, self.cache(), tests_dir) if (tests_dir / "Dockerfile").is_file() else rt.image
+        image = await self._image(spec, task, sandbox, tests_dir) if (tests_dir / "Dockerfile").is_file() else rt.image
         rootfs = await asyncio.to_thread(mounted_root, image) if image is not None else None
         workdir = (image.workdir if image is not None and image is not rt.image else None) or rt.workdir
         if (why := reserved_workdir(workdir)) is not None:
