@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import Cli
 
-from durable_rl._harbor_image import _lock_path, base_folder, base_rootfs, default_cache, hold, release
+from durable_rl._harbor_image import BUILD_UID, _lock_path, base_folder, base_rootfs, default_cache, hold, release
 
 REWARD = 'R=/logs/verifier; mkdir -p "$R"\n'
 
@@ -212,7 +212,7 @@ def test_a_long_build_never_blocks_another_images_build(cli: Cli, tmp_path: Path
     """A build that takes long (its RUN sleeps) holds its own image's lock only: another task's
     image is built, and its trial scores, while the first build still runs. Its week-long
     build_timeout_sec is held to the ceiling, and the run says so."""
-    from durable_rl._harbor_image import BUILD_UID, image_key
+    from durable_rl._harbor_image import image_key
 
     tasks = tmp_path / "tasks"
     slow = _task(
@@ -267,7 +267,7 @@ def test_a_build_past_the_time_ceiling_fails_with_one_line_that_says_so(cli: Cli
         " to the ceiling of 3 s)"
     ), failed["error_message"]
     assert "\n" not in failed["error_message"]
-    assert _images(cache) == [] and not _live("sleep 1000")
+    assert _images(cache) == [] and not _live("sleep 1000", BUILD_UID)
 
 
 def _du(cache: Path) -> int:
@@ -283,19 +283,15 @@ def _du(cache: Path) -> int:
     [
         ("fallocate -l 600M /x", [], r"line 2: RUN tried a file past the image layer's bound of 50 MiB$"),
         (
-            "for i in $(seq 1 60); do head -c 10M /dev/zero > /f$i; sleep 0.2; done; sleep 1000",
+            "for i in $(seq 1 60); do head -c 10M /dev/zero > /f$i; done",
             [],
-            r"line 2: RUN stopped: the image's layer passed its bound of 50 MiB",
-        ),
-        (  # stopped while it runs or found after the line, whichever comes first
-            "for i in 1 2 3 4 5 6 7 8; do head -c 10M /dev/zero > /f$i; done",
-            [],
-            r"line 2: (RUN stopped: )?the image's layer passed its bound of 50 MiB \(\d+ MiB written\)",
+            r"line 2: RUN filled the image's layer: its bound of 50 MiB$",
         ),
         (
             "mkdir /many && cd /many && seq 1 3000 | xargs touch",
             ["--set", "env.layer_ceiling_files=500"],
-            r"line 2: (RUN stopped: )?the image's layer passed its bound of 500 files",
+            r"line 2: (RUN filled the image's layer: its bound of 500 files|the image's layer passed its bound of"
+            r" 500 files \(\d+ written\))$",
         ),
     ],
 )
@@ -314,7 +310,30 @@ def test_a_layer_past_its_bound_fails_the_build_and_nothing_of_it_is_kept(
     assert "\n" not in failed["error_message"]
     assert _images(cache) == []
     assert _du(cache) - before < 1024 * 1024, subprocess.run(["du", "-a", str(cache)], capture_output=True, text=True)
-    assert not _live("sleep 1000")
+    assert not _live("sleep 1000", BUILD_UID)
+
+
+def test_a_build_never_holds_more_than_its_bound_on_the_host_disk_even_while_it_runs(
+    cli: Cli, tmp_path: Path, cache: Path
+) -> None:
+    """The layer is a filesystem of its own: a RUN line that writes 600 MB into a 50 MB bound and
+    then waits is seen from the host, while it waits, taking at most the bound of the cache's disk."""
+    tasks = tmp_path / "tasks"
+    _task(
+        tasks,
+        "hog",
+        "FROM debian:bookworm\nRUN for i in $(seq 1 60); do head -c 10M /dev/zero > /f$i || break; done; sleep 1000\n",
+        "echo 0 > $R/reward.txt\n",
+        toml="storage_mb = 50\n",
+    )
+    before = _du(cache)
+    running = _popen_train(cli, cache, "hog", tasks)
+    try:
+        _wait_for("the hog's RUN line waiting", lambda: _live("sleep 1000", BUILD_UID), running)
+        held = _du(cache) - before
+    finally:
+        _stop(running)
+    assert 40 * 1024 * 1024 < held <= 51 * 1024 * 1024, held
 
 
 def test_the_cache_evicts_its_least_recently_used_image_never_one_in_use(cli: Cli, tmp_path: Path, cache: Path) -> None:
@@ -341,7 +360,8 @@ def test_the_cache_evicts_its_least_recently_used_image_never_one_in_use(cli: Cl
 
     live = _popen_train(cli, cache, "a", tasks / "a", *limit)
     try:
-        _wait_for("task a's trial", lambda: cached() == ["a"] and _live("sleep 1000"), live)
+        # built, and its lock held (shared, by the trial's lease) while the agent sleeps
+        _wait_for("task a's trial", lambda: cached() == ["a"] and _held(cache / ".locks" / keys["a"]), live)
         for name in ("b", "c"):
             proc = _train(cli, cache, name, tasks / name, *limit)
             assert proc.returncode == 0 and _trials(cli, name)[name]["reward"] == 1.0, proc.stderr

@@ -314,7 +314,8 @@ def test_what_a_killed_build_left_is_cleared_by_the_next_build(tmp_path: Path) -
     base = base_folder(cache)  # a stand-in base system: this Dockerfile runs no RUN line on it
     (base / "rootfs").mkdir(parents=True)
     (base / ".done").write_text("")
-    staging = _start_layer(cache, "a" * 64, base / "rootfs")  # as a killed build left it
+    limits = BuildLimits(seconds=60, layer_mb=100, layer_files=1000)
+    staging = _start_layer(cache, "a" * 64, base / "rootfs", limits)  # as a killed build left it
     (staging / "merged" / "half-built").write_text("x")
     unfinished = cache / f".{'b' * 64}.final"
     (unfinished / "layer").mkdir(parents=True)
@@ -330,7 +331,7 @@ def test_what_a_killed_build_left_is_cleared_by_the_next_build(tmp_path: Path) -
         with open("/proc/self/mounts") as f:
             return [line.split()[1] for line in f if line.split()[1].startswith(str(cache))]
 
-    assert mounted() == [str(staging / "merged")]
+    assert mounted() == [str(staging / "fs"), str(staging / "merged")]
     try:
         while subprocess.run(["flock", "-n", str(_lock_path(cache, "c" * 64)), "true"]).returncode == 0:
             time.sleep(0.01)  # until flock(1) holds it

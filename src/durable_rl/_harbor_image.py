@@ -13,7 +13,6 @@ URL) is refused with one line naming it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -25,7 +24,6 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
@@ -39,7 +37,6 @@ BASE_PACKAGES = ("python3", "python3-pip", "python3-venv", "ca-certificates", "c
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MB = 1024 * 1024
-WATCH_INTERVAL = 0.5  # seconds between looks at a running RUN line's layer
 BUILD_UID = 609_999  # owns every image file: root inside a build's user namespace; no account on the host
 _DEBIAN_LIKE = re.compile(r"^(docker\.io/)?(library/)?(debian|ubuntu|python|buildpack-deps)(:|@|$)")
 _IGNORED = {"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "SHELL", "HEALTHCHECK", "STOPSIGNAL", "VOLUME", "MAINTAINER"}
@@ -319,8 +316,8 @@ async def build_image(
 
     Builds of different images run at once (each holds the lock of its own image only); a second
     build of the same image waits for the first and finds it built. The build stops with a
-    BuildError when it passes `limits`: its time, or its layer's bytes or files (checked while
-    each RUN line runs and after every line; nothing of a failed build is kept).
+    BuildError when it passes `limits`: its time, or its layer's bytes or files (the layer's own
+    filesystem holds no more; each line is checked after it too). Nothing of a failed build is kept.
 
     `run(command, rootfs, workdir, env, wall_s, file_size_mb)` runs one RUN line in the sandbox and
     returns its CommandResult; it is passed in so this module stays a pure builder."""
@@ -344,10 +341,10 @@ async def build_image(
             lower = await asyncio.to_thread(base_rootfs, cache)
         finally:
             release(base_lock)
-        staging = await asyncio.to_thread(_start_layer, cache, key, lower)
+        staging = await asyncio.to_thread(_start_layer, cache, key, lower, limits)
         merged = staging / "merged"
         try:
-            state = _State(base=base, layer=staging / "layer", limits=limits)
+            state = _State(base=base, layer=_upper(staging), limits=limits)
             await asyncio.to_thread(_python_image, state, merged)
             for n, word, args in instructions(text):
                 left = limits.seconds - (time.monotonic() - t0)
@@ -355,7 +352,7 @@ async def build_image(
                     raise BuildError(f"line {n}: the build passed its {state.time_limit()}")
                 await _apply(n, word, args, state, merged, context, left, run)
                 await asyncio.to_thread(state.check_layer, n)
-            size, files = await asyncio.to_thread(layer_usage, staging / "layer")
+            size, files = await asyncio.to_thread(layer_usage, _upper(staging))
             image = Image(
                 key=key,
                 root=str(folder / "rootfs"),
@@ -461,19 +458,48 @@ def release(f: IO[str]) -> None:
     f.close()
 
 
-def _start_layer(cache: Path, key: str, lower: Path) -> Path:
-    """A fresh layer over the base, mounted at `staging/merged` for the build to write into."""
+def _start_layer(cache: Path, key: str, lower: Path, limits: BuildLimits) -> Path:
+    """A fresh layer over the base, mounted at `staging/merged` for the build to write into. The
+    layer lies on a filesystem of its own, a file of `limits.layer_mb` MiB with an inode per 4 KiB
+    (at most `limits.layer_files`), loop-mounted at `staging/fs`: a build cannot write past its
+    bound even for a moment (the cache's disk holds only what it wrote)."""
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
     staging.chmod(0o711)  # the build's uid binds the layer through it
-    upper, work, merged = staging / "layer", staging / "work", staging / "merged"
-    for d in (upper, work, merged):
+    disk, fs, merged = staging / "disk.img", staging / "fs", staging / "merged"
+    fs.mkdir()
+    merged.mkdir()
+    with disk.open("wb") as f:
+        f.truncate(limits.layer_mb * MB)  # sparse: it takes only what the build writes
+    inodes = max(64, min(limits.layer_files, limits.layer_mb * MB // 4096))
+    lazy = "nodiscard,lazy_itable_init=1"  # inode tables left unwritten: the sparse file reads as zeros
+    steps = [
+        ["mkfs.ext4", "-q", "-F", "-m", "0", "-N", str(inodes), "-O", "^has_journal", "-E", lazy, str(disk)],
+        ["mount", "-o", "loop,nosuid,nodev,noinit_itable", str(disk), str(fs)],
+    ]
+    for argv in steps:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            _discard(staging)
+            why = (done.stderr or done.stdout).strip().splitlines()
+            raise BuildError(
+                f"the image layer's bound needs {argv[0]} (a loop-mounted ext4 file), which failed: "
+                f"{why[-1] if why else done.returncode}"
+            )
+    upper, work = _upper(staging), fs / "work"
+    for d in (upper, work):
         d.mkdir()
     os.chown(upper, BUILD_UID, BUILD_UID)
     upper.chmod(0o755)
+    shutil.rmtree(fs / "lost+found", ignore_errors=True)
     if not _mount_overlay(f"lowerdir={lower},upperdir={upper},workdir={work}", merged):
-        shutil.rmtree(staging, ignore_errors=True)
+        _discard(staging)
         raise BuildError("the image layer needs an overlay mount, which this machine refused (not root?)")
     return staging
+
+
+def _upper(staging: Path) -> Path:
+    """The layer a build writes, on its own filesystem."""
+    return staging / "fs" / "layer"
 
 
 def _python_image(state: _State, merged: Path) -> None:
@@ -490,14 +516,23 @@ def _python_image(state: _State, merged: Path) -> None:
 
 
 def _finish(image: Image, staging: Path, lower: Path, cache: Path) -> None:
-    """The built layer into the cache under the image's key, atomically."""
+    """The built layer into the cache under the image's key, atomically: copied off its own
+    filesystem (owners, modes, overlay whiteouts and their attributes kept), which is then removed."""
     _unmount(staging / "merged")
-    subprocess.run(["chmod", "-R", "a+rX", str(staging / "layer")], check=False)
+    subprocess.run(["chmod", "-R", "a+rX", str(_upper(staging))], check=False)
     final = cache / f".{image.key}.final"
     shutil.rmtree(final, ignore_errors=True)
     final.mkdir()
     final.chmod(0o711)
-    os.rename(staging / "layer", final / "layer")
+    copied = subprocess.run(
+        ["cp", "-a", "--sparse=always", str(_upper(staging)), str(final / "layer")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if copied.returncode != 0:
+        shutil.rmtree(final, ignore_errors=True)
+        raise BuildError(f"the built layer could not be copied into the cache: {copied.stderr.strip()[-300:]}")
     (final / "rootfs").mkdir()
     (final / "lower").write_text(str(lower))
     (final / "image.json").write_text(image.model_dump_json())
@@ -507,8 +542,9 @@ def _finish(image: Image, staging: Path, lower: Path, cache: Path) -> None:
 
 
 def _discard(staging: Path) -> None:
-    if os.path.ismount(staging / "merged"):
-        _unmount(staging / "merged")
+    for mount in (staging / "merged", staging / "fs"):
+        if os.path.ismount(mount):
+            _unmount(mount)
     shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -535,8 +571,9 @@ def discard_left_behind(cache: Path, held: str) -> None:
             continue  # its build is under way
         try:
             folder = Path(entry.path)
-            if os.path.ismount(folder / "merged"):
-                _unmount(folder / "merged")
+            for mount in (folder / "merged", folder / "fs"):
+                if os.path.ismount(mount):
+                    _unmount(mount)
             inside = str(folder) + "/"
             with open("/proc/self/mounts") as mounts:
                 if any(line.split()[1].startswith(inside) for line in mounts):
@@ -645,6 +682,17 @@ class _State:
             return f"the image's layer passed its bound of {self.limits.layer_files} files ({files} written)"
         return None
 
+    def full(self) -> str | None:
+        """What of the layer's own filesystem is used up (its space or its files), or None."""
+        if self.layer is None or self.limits is None:
+            return None
+        fs = os.statvfs(self.layer)
+        if fs.f_bavail * fs.f_frsize < MB:
+            return f"the image's layer: its bound of {self.limits.layer_mb} MiB"
+        if fs.f_favail < 16:
+            return f"the image's layer: its bound of {self.limits.layer_files} files"
+        return None
+
     def check_layer(self, n: int) -> None:
         """A BuildError when the layer passed its bound after line `n`."""
         over = self.over_bound()
@@ -695,7 +743,7 @@ async def _apply(n: int, word: str, args: str, state: _State, root: Path, contex
         script = shlex.quote("set -e\n" + command)
         wrapped = f"FAKEROOTDONTTRYCHOWN=1 exec /usr/bin/fakeroot-sysv /bin/sh -c {script}"
         try:
-            result = await _watched(state, run(wrapped, root, state.workdir or "/", env, left, state.file_mb()))
+            result = await run(wrapped, root, state.workdir or "/", env, left, state.file_mb())
         except BuildError as e:
             raise BuildError(f"line {n}: {e}") from None
         if result.ended_by == "deadline":
@@ -703,34 +751,13 @@ async def _apply(n: int, word: str, args: str, state: _State, root: Path, contex
         state.check_layer(n)
         if result.exit_code != 0 and result.ended_by == "file_size":
             raise BuildError(f"line {n}: RUN tried a file past the image layer's bound of {state.file_mb()} MiB")
+        if result.exit_code != 0 and (full := state.full()) is not None:
+            raise BuildError(f"line {n}: RUN filled {full}")
         if result.exit_code != 0:
             tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
             raise BuildError(f"line {n}: RUN exited {result.exit_code or result.signal}: {' | '.join(tail)[-300:]}")
         return
     raise BuildError(f"line {n}: {word} cannot be replayed")
-
-
-async def _watched(state: _State, running: Awaitable[Any]) -> Any:
-    """A RUN line's result, its layer looked at while it runs: one that passes its bound is
-    stopped then (its processes killed) with a BuildError, not left to fill the disk."""
-    task = asyncio.ensure_future(running)
-    if state.layer is None:
-        return await task
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=WATCH_INTERVAL)
-            if done:
-                return task.result()
-            t0 = time.monotonic()
-            over = await asyncio.to_thread(state.over_bound)
-            if over is not None:
-                raise BuildError(f"RUN stopped: {over}")
-            await asyncio.sleep(min(5.0, 3 * (time.monotonic() - t0)))  # a large layer is looked at less often
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 _UV = re.compile(r"--from=(?:docker\.io/)?ghcr\.io/astral-sh/uv(?::(\S+))?")
