@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -301,30 +303,50 @@ def test_a_cached_image_whose_base_is_gone_or_remade_is_built_again(tmp_path: Pa
 
 def test_what_a_killed_build_left_is_cleared_by_the_next_build(tmp_path: Path) -> None:
     """A build SIGKILLed mid-way leaves its staging layer (the overlay still mounted) and maybe a
-    finished layer not yet in place; the next build in that cache, holding its lock, removes both."""
+    finished layer not yet in place; the next build in that cache removes both (no one holds their
+    locks), and its own image's; a live build's (its lock held, by flock(1) here) stays."""
     import asyncio
 
-    from durable_rl._harbor_image import _start_layer, base_folder, build_image
+    from durable_rl._harbor_image import BuildLimits, _lock_path, _start_layer, base_folder, build_image, image_key
 
     tmp_path.chmod(0o711)  # a cache's images are bound by other uids: the folders above it let them pass
     cache = tmp_path / "cache"
     base = base_folder(cache)  # a stand-in base system: this Dockerfile runs no RUN line on it
     (base / "rootfs").mkdir(parents=True)
     (base / ".done").write_text("")
-    staging = _start_layer(cache, "a" * 64, base / "rootfs")  # as a killed build left it
+    limits = BuildLimits(seconds=60, layer_mb=100, layer_files=1000)
+    staging = _start_layer(cache, "a" * 64, base / "rootfs", limits)  # as a killed build left it
     (staging / "merged" / "half-built").write_text("x")
-    unfinished = cache / f".{'b' * 64}.new"
+    unfinished = cache / f".{'b' * 64}.final"
     (unfinished / "layer").mkdir(parents=True)
     (tmp_path / "context").mkdir()
     (tmp_path / "context" / "Dockerfile").write_text("FROM debian:bookworm\nENV A=1\n")
+    own = cache / f".{image_key(tmp_path / 'context' / 'Dockerfile', tmp_path / 'context')}-deadbild"
+    (own / "layer").mkdir(parents=True)
+    live = cache / f".{'c' * 64}-livebild"
+    (live / "layer").mkdir(parents=True)
+    holder = subprocess.Popen(["flock", str(_lock_path(cache, "c" * 64)), "sleep", "600"])
 
     def mounted() -> list[str]:
         with open("/proc/self/mounts") as f:
             return [line.split()[1] for line in f if line.split()[1].startswith(str(cache))]
 
-    assert mounted() == [str(staging / "merged")]
-    image = asyncio.run(
-        build_image(tmp_path / "context" / "Dockerfile", tmp_path / "context", cache, timeout_s=60, run=None)
-    )
-    assert not staging.exists() and not unfinished.exists() and mounted() == []
+    assert mounted() == [str(staging / "fs"), str(staging / "merged")]
+    try:
+        while subprocess.run(["flock", "-n", str(_lock_path(cache, "c" * 64)), "true"]).returncode == 0:
+            time.sleep(0.01)  # until flock(1) holds it
+        image = asyncio.run(
+            build_image(
+                tmp_path / "context" / "Dockerfile",
+                tmp_path / "context",
+                cache,
+                limits=BuildLimits(seconds=60, layer_mb=100, layer_files=1000),
+                run=None,
+            )
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not staging.exists() and not unfinished.exists() and not own.exists() and mounted() == []
+    assert (live / "layer").is_dir()
     assert image.env["A"] == "1" and (cache / image.key / "image.json").is_file()

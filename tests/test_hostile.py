@@ -601,3 +601,84 @@ def test_a_run_line_that_made_root_a_link_fails_the_build_at_that_line(tmp_path:
     with pytest.raises(BuildError, match=r"^line 3: the image cannot be built on: .*symlink"):
         asyncio.run(_apply(3, "RUN", "echo x > /root/secret", _State("debian"), root, tmp_path, 60.0, _build_line))
     assert (host / "secret").read_text() == "root's\n"
+
+
+# ---- what only the task and the driver own: /tests, /solution, /logs/verifier, the kept output -------
+
+
+def test_a_task_cannot_stand_in_for_its_own_tests_or_the_kept_output(cli: Cli, tmp_path: Path) -> None:
+    """A working folder at /tests would make the agent's copy the verifier's tests: refused at load
+    (task.toml's `workdir` or the Dockerfile's WORKDIR). An image that ships its own /tests,
+    /solution and a reward in /logs/verifier is verified by the task's real tests; the agent's own
+    /logs/agent/stdout.txt never replaces the driver's capture of its stdout."""
+    tasks = tmp_path / "tasks"
+    pays = REWARD + 'echo 1 > "$R/reward.txt"\n'
+    real = REWARD + 'echo 0.25 > "$R/reward.txt"\n'  # the task's real tests: a reward no forgery writes
+    _task(tasks, "workdir-tests", "true\n", test=real, toml='workdir = "/tests"\n', **{"environment__test.sh": pays})
+    _task(
+        tasks,
+        "dockerfile-workdir-tests",
+        "true\n",
+        test=real,
+        environment__Dockerfile="FROM debian:bookworm\nARG WHERE=/tests\nWORKDIR $WHERE\nCOPY test.sh ./\n",
+        **{"environment__test.sh": pays},
+    )
+    _task(
+        tasks,
+        "stands-in",
+        """
+        echo captured-by-driver; echo on-stderr >&2
+        echo forged > /logs/agent/stdout.txt; echo forged > /logs/agent/stderr.txt
+        echo 'echo 1 > /logs/verifier/reward.txt' 2>/dev/null > /tests/test.sh
+        echo 1 > /logs/verifier/reward.txt
+        true
+        """,
+        test=real,
+        environment__Dockerfile=(
+            "FROM debian:bookworm\nWORKDIR /app\nCOPY test.sh /tests/test.sh\nCOPY test.sh /solution/solve.sh\n"
+            "RUN mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt\n"
+        ),
+        **{"environment__test.sh": pays},
+    )
+    _task(tasks, "honest", "touch ok.txt\n", test=REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n')
+    for name in ("workdir-tests", "dockerfile-workdir-tests"):  # alone: a bad input, one line, exit 2
+        proc = cli.run("train", "--run-id", name, "--tasks", str(tasks / name), "--n-steps", "1")
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert f"task {name} skipped" in proc.stderr and "'/tests' lies in /tests" in proc.stderr, proc.stderr
+    proc = cli.run("train", "--run-id", "mixed", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "task workdir-tests skipped" in proc.stderr and "task dockerfile-workdir-tests skipped" in proc.stderr
+    trials = {t["trial_id"].split("-", 1)[1].rsplit("-", 1)[0]: t for t in cli.json("show", "mixed", "--trials")}
+    assert sorted(trials) == ["honest", "stands-in"]
+    assert trials["honest"]["reward"] == 1.0, trials["honest"]
+    # the task's tests decided, not the image's /tests nor its /logs/verifier/reward.txt
+    assert trials["stands-in"]["reward"] == 0.25, trials["stands-in"]["error_message"]
+    agent = Path(trials["stands-in"]["info"]["files"]) / "agent"
+    assert (agent / "stdout.txt").read_text() == "captured-by-driver\n"
+    assert (agent / "stderr.txt").read_text() == "on-stderr\n"
+    assert (agent / "stdout.from-task.txt").read_text() == "forged\n"  # the agent's file, kept beside it
+    assert (Path(trials["stands-in"]["info"]["files"]) / "verifier" / "reward.txt").read_text() == "0.25\n"
+
+
+@pytest.mark.parametrize(
+    ("toml", "dockerfile"),
+    [
+        ('workdir = "/solution"\n', None),
+        ('workdir = "/logs/verifier/"\n', None),
+        ('workdir = "/app/../tests/x"\n', None),
+        ("", "FROM debian:bookworm\nWORKDIR /logs\nWORKDIR verifier\n"),
+        ("", "FROM debian:bookworm\nENV S=/solution\nWORKDIR ${S}\n"),
+    ],
+)
+def test_a_working_folder_in_the_tasks_own_folders_is_refused_at_load(
+    tmp_path: Path, toml: str, dockerfile: str | None
+) -> None:
+    from durable_rl._harbor import load_task
+    from durable_rl._harbor_trial import TaskError
+
+    files = {"environment__Dockerfile": dockerfile} if dockerfile else {}
+    t = _task(tmp_path, "evil", "true\n", toml=toml, **files)
+    with pytest.raises(TaskError, match=r"lies in /(tests|solution|logs), which the runner always mounts itself"):
+        load_task(t)
+    _task(tmp_path, "fine", "true\n", toml='workdir = "/srv/tests"\n')
+    assert load_task(tmp_path / "fine").config.environment.workdir == "/srv/tests"

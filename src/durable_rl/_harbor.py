@@ -23,22 +23,29 @@ import functools
 import os
 import shutil
 import tomllib
+import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from . import _harbor_trial as trial
-from ._harbor_config import StepConfig, TaskConfig, expand_env, unknown_keys
+from ._harbor_config import StepConfig, TaskConfig, expand_env, reserved_workdir, unknown_keys
 from ._harbor_image import (
     BUILD_UID,
     BuildError,
+    BuildLimits,
     Image,
     build_image,
     check_dockerfile,
+    declared_workdir,
     default_cache,
+    evict,
     mounted_root,
+    release,
     trust_env,
+    use_image,
 )
 from ._harbor_trial import TaskError, VerificationFailed, read_rewards, scalar_reward
 from ._models import AgentTurn, Prompt, ToolCall, Trajectory, TrialSpec, Verdict, Weights, _Frozen
@@ -185,6 +192,7 @@ def _check_runnable(folder: Path, config: TaskConfig, pass_env: tuple[str, ...] 
             f"{folder.name}: docker_image {env.docker_image} cannot be pulled here (no registry) and the task has no"
             " environment/Dockerfile to build it from"
         )
+    _check_workdirs(folder, config)
     for step in [None, *(config.steps or [])]:
         separate = config.separate_verifier(step)
         if separate is not None and separate.docker_image and not (_tests_dir(folder, step) / "Dockerfile").is_file():
@@ -209,6 +217,22 @@ def _check_runnable(folder: Path, config: TaskConfig, pass_env: tuple[str, ...] 
             notes.append("network allowlist: hosts are not filtered here; the phase runs with no network")
             break
     return notes
+
+
+def _check_workdirs(folder: Path, config: TaskConfig) -> None:
+    """Refuse a Dockerfile's last WORKDIR (the agent's image's or a separate verifier's) inside
+    /tests, /solution or /logs, as task.toml's own `workdir` is refused: those are the task's own."""
+    dockerfiles = [folder / "environment" / "Dockerfile"]
+    dockerfiles += [_tests_dir(folder, step) / "Dockerfile" for step in [None, *(config.steps or [])]]
+    for dockerfile in dict.fromkeys(d for d in dockerfiles if d.is_file()):
+        where = dockerfile.relative_to(folder)
+        try:
+            workdir = declared_workdir(_read(dockerfile))
+        except BuildError as e:
+            raise TaskError(f"{folder.name}: {where}: {e}") from None
+        why = reserved_workdir(workdir) if workdir is not None else None
+        if why is not None:
+            raise TaskError(f"{folder.name}: {where}: WORKDIR {why.removeprefix('workdir ')}")
 
 
 def _tests_dir(folder: Path, step: StepConfig | None) -> Path:
@@ -249,6 +273,8 @@ class _Runtime:
         self.rootfs = rootfs
         self.pass_env = pass_env
         self.workdir = task.config.environment.workdir or (image.workdir if image else None) or DEFAULT_WORKDIR
+        if (why := reserved_workdir(self.workdir)) is not None:  # load refused it already; never run so
+            raise TaskError(f"task {task.name}: {why}")
         self.notes = list(image.notes if image else [])
         if image is not None and not image.workdir and not task.config.environment.workdir:
             self.notes.append("the image sets no WORKDIR: commands run in /app (writable) rather than /")
@@ -281,13 +307,20 @@ class _Runtime:
         raise TaskError(f"task {self.task.name}: user {user!r} is not in its image's /etc/passwd")
 
 
-async def _build_line(command: str, root: Path, workdir: str, env: dict[str, str], wall_s: float) -> CommandResult:
+async def _build_line(
+    command: str, root: Path, workdir: str, env: dict[str, str], wall_s: float, file_size_mb: int = 8192
+) -> CommandResult:
     """One RUN line of a Dockerfile, in the sandbox, on the image being built as its writable root."""
     limits = Limits(
-        wall_s=wall_s, cpu_s=max(1, int(wall_s * 2)), memory_mb=8192, file_size_mb=8192, processes=1024, network=True
+        wall_s=wall_s,
+        cpu_s=max(1, int(wall_s * 2)),
+        memory_mb=8192,
+        file_size_mb=file_size_mb,
+        processes=1024,
+        network=True,
     )
-    # pip's and uv's downloads, shared by every build of this cache (as a BuildKit cache mount): not in the image
-    downloads = await asyncio.to_thread(_downloads, root.parent.parent / ".downloads")
+    # nothing of the cache is shared between builds: pip's, uv's, Playwright's and Hugging Face's
+    # caches under /root/.cache are the image's own, as in a Docker build without cache mounts
     try:
         return await trial.started(
             lambda: run_command(
@@ -296,10 +329,7 @@ async def _build_line(command: str, root: Path, workdir: str, env: dict[str, str
                 limits=limits,
                 uid=BUILD_UID,
                 env=env,
-                mounts=[
-                    Mount(source=root / "root", target="/root", writable=True),
-                    Mount(source=downloads, target="/root/.cache", writable=True),
-                ],
+                mounts=[Mount(source=root / "root", target="/root", writable=True)],
                 workdir=workdir,
                 rootfs=root,
                 rootfs_writable=True,
@@ -309,34 +339,55 @@ async def _build_line(command: str, root: Path, workdir: str, env: dict[str, str
         raise BuildError(f"the image cannot be built on: {e}") from None
 
 
-def _downloads(folder: Path) -> Path:
-    if not folder.is_dir():
-        folder.mkdir(parents=True, exist_ok=True)
-        os.chown(folder, BUILD_UID, BUILD_UID)
-        folder.chmod(0o755)
-    return folder
-
-
 _IMAGES: dict[str, Image] = {}
 
 
-async def task_image(task: HarborTask, cache: Path, context: Path | None = None) -> Image | None:
-    """The task's image (built once per content; cached across runs), or None without a Dockerfile."""
+def build_limits(task: HarborTask, settings: HarborSettings) -> tuple[BuildLimits, list[str]]:
+    """A task's build limits: its build_timeout_sec and storage_mb held to the settings' ceilings
+    (with a note for each the ceiling holds back)."""
+    env = task.config.environment
+    ceiling = settings.build_timeout_ceiling_sec
+    seconds, why, notes = env.build_timeout_sec, "build_timeout_sec", []
+    if env.build_timeout_sec > ceiling:
+        seconds = ceiling
+        why = f"build limit (build_timeout_sec {env.build_timeout_sec:g} held to the ceiling of {ceiling:g} s)"
+        notes.append(f"build_timeout_sec {env.build_timeout_sec:g}: held to this machine's ceiling of {ceiling:g} s")
+    layer_mb = min(env.storage_mb or settings.layer_ceiling_mb, settings.layer_ceiling_mb)
+    if env.storage_mb is not None and env.storage_mb > settings.layer_ceiling_mb:
+        notes.append(f"storage_mb {env.storage_mb}: its image's layer held to {settings.layer_ceiling_mb} MiB")
+    limits = BuildLimits(seconds=seconds, seconds_why=why, layer_mb=layer_mb, layer_files=settings.layer_ceiling_files)
+    return limits, notes
+
+
+async def task_image(
+    task: HarborTask, cache: Path, settings: HarborSettings, context: Path | None = None
+) -> tuple[Image, IO[str]] | None:
+    """The task's image (built once per content; cached across runs) with its lock held shared for
+    the trial that uses it (`release` it after), or None without a Dockerfile. A new image makes
+    the cache evict its least recently used ones past the settings' image_cache_limit_mb."""
     context = context or Path(task.path) / "environment"
     dockerfile = context / "Dockerfile"
     if not dockerfile.is_file():
         return None
-    key = f"{cache}:{context}"
-    if key in _IMAGES:
-        return _IMAGES[key].model_copy(update={"cache_hit": True})
-    try:
-        image = await build_image(
-            dockerfile, context, cache, timeout_s=task.config.environment.build_timeout_sec, run=_build_line
-        )
-    except BuildError as e:
-        raise TaskError(f"task {task.name}: its image cannot be built: {e}") from None
-    _IMAGES[key] = image
-    return image
+    memo = f"{cache}:{context}"
+    for _ in range(3):  # an image another process evicted between its build and its use is built again
+        image = _IMAGES.get(memo)
+        if image is None:
+            limits, _notes = build_limits(task, settings)
+            try:
+                image = await build_image(dockerfile, context, cache, limits=limits, run=_build_line)
+            except BuildError as e:
+                raise TaskError(f"task {task.name}: its image cannot be built: {e}") from None
+            if not image.cache_hit:
+                await asyncio.to_thread(evict, cache, settings.image_cache_limit_mb, image.key)
+        else:
+            image = image.model_copy(update={"cache_hit": True})
+        lock = await use_image(cache, image.key)
+        if lock is not None:
+            _IMAGES[memo] = image
+            return image, lock
+        _IMAGES.pop(memo, None)
+    raise TaskError(f"task {task.name}: its image was evicted from {cache} each time it was built")
 
 
 class HarborSettings(PluginSettings):
@@ -351,6 +402,31 @@ class HarborSettings(PluginSettings):
         None,
         description="Folder of built task images and their base system (default: $DURABLE_RL_IMAGE_CACHE, else"
         " ~/.cache/durable-rl/images or /var/cache/durable-rl/images).",
+    )
+    build_timeout_ceiling_sec: float = Field(
+        1800.0,
+        gt=0,
+        le=7 * 86400,
+        allow_inf_nan=False,
+        description="The longest an image's build may take, in seconds: a task's build_timeout_sec above it is"
+        " held to it (the task's notes and the build's error say so).",
+    )
+    layer_ceiling_mb: int = Field(
+        8192,
+        ge=1,
+        le=1 << 24,
+        description="The most disk an image's own layer may take, in MiB: a task's storage_mb bounds its"
+        " layer when smaller. A build past it stops with one line; nothing of it is kept.",
+    )
+    layer_ceiling_files: int = Field(
+        1_000_000, ge=1, le=1 << 32, description="The most files, folders and links an image's own layer may hold."
+    )
+    image_cache_limit_mb: int = Field(
+        51200,
+        ge=1,
+        le=1 << 30,
+        description="The most disk the cached images' layers may take together, in MiB (the base system aside):"
+        " a new image evicts the least recently used ones past it, never one a live trial uses.",
     )
 
     @field_validator("path")
@@ -375,13 +451,15 @@ class Harbor(Environment):
     def __init__(self, settings: PluginSettings | None = None) -> None:
         super().__init__(settings)
         self._runtimes: dict[str, _Runtime] = {}
+        self._leases: dict[str, list[Callable[[], object]]] = {}  # each live trial's image locks
 
     def identity(self) -> dict[str, Any]:
         return {"kind": self.kind, "version": self.version}  # each task's identity is its files' hashes
 
     def notes(self) -> list[str]:
         tasks, bad = task_set(self.settings.path, tuple(self.settings.pass_env))
-        return [*bad, *(f"task {t.name}: {n}" for t in tasks for n in t.notes)]
+        held = [(t, build_limits(t, self.settings)[1] if t.dockerfile else []) for t in tasks]
+        return [*bad, *(f"task {t.name}: {n}" for t, more in held for n in [*t.notes, *more])]
 
     def tasks(self) -> dict[str, HarborTask]:
         """The task set, by name."""
@@ -424,16 +502,29 @@ class Harbor(Environment):
             for s in config.steps or []
         ]
         run = sum(phases) if phases else (config.agent.timeout_sec or 600.0) + config.verifier.timeout_sec
-        return config.environment.build_timeout_sec + run + 120.0
+        return min(config.environment.build_timeout_sec, self.settings.build_timeout_ceiling_sec) + run + 120.0
+
+    async def _image(
+        self, spec: TrialSpec, task: HarborTask, sandbox: Sandbox, context: Path | None = None
+    ) -> Image | None:
+        """The task's image (see task_image), kept from eviction until the trial's sandbox is gone."""
+        found = await task_image(task, self.cache(), self.settings, context)
+        if found is None:
+            return None
+        image, lock = found
+        # let go when the trial is verified, or when its sandbox is gone however the trial ended
+        self._leases.setdefault(spec.trial_id, []).append(weakref.finalize(sandbox, release, lock))
+        return image
 
     # ---- a trial ------------------------------------------------------------------------------
 
     async def setup(self, spec: TrialSpec, sandbox: Sandbox) -> None:
         """The image, the working copy at WORKDIR, Harbor's folders, the environment's healthcheck."""
         task = self.task(spec.world_id)
-        image = await task_image(task, self.cache())
+        image = await self._image(spec, task, sandbox)
         rootfs = await asyncio.to_thread(mounted_root, image) if image is not None else None
         rt = _Runtime(task, image, rootfs, tuple(self.settings.pass_env))
+        rt.notes += build_limits(task, self.settings)[1] if image is not None else []
         self._runtimes[spec.trial_id] = rt
         if rootfs is not None:
             await asyncio.to_thread(_copy_image_workdir, rootfs, rt.workdir, sandbox)
@@ -487,6 +578,8 @@ class Harbor(Environment):
                 summary = {"verifier": result["verifier"]["ended_by"]}
         finally:
             self._runtimes.pop(spec.trial_id, None)
+            for lease in self._leases.pop(spec.trial_id, []):
+                lease()
         score = round(scalar_reward(rewards), 6)
         if rt.image is not None:
             details["image"] = {
@@ -543,7 +636,9 @@ class Harbor(Environment):
         ]
         if separate is None:
             user = rt.user_id(verifier.user)
-            shared = [m for m in mounts if all(m.target != own.target for own in sandbox.mounts)]
+            # bound after the trial's own mounts, so over whatever is at /tests (the same
+            # /logs/verifier bind the trial has is not made twice)
+            shared = [m for m in mounts if m not in sandbox.mounts]
             checked = await trial.run_in(
                 sandbox, "bash /tests/test.sh", env=env, limits=limits, mounts=shared, user_id=user
             )
@@ -552,9 +647,8 @@ class Harbor(Environment):
         out["verifier"] = _phase(checked)
         if kept is not None:
             await asyncio.to_thread(
-                trial.write_output, kept / "verifier", checked, "test-stdout.txt", "test-stderr.txt"
+                trial.keep_phase, logs, kept / "verifier", checked, "test-stdout.txt", "test-stderr.txt"
             )
-            await asyncio.to_thread(trial.keep_files, logs, kept / "verifier")
         if checked.ended_by == "deadline":
             out["error"] = f"verifier passed its {verifier.timeout_sec:g} s timeout and was killed"
             out["rewards"] = None
@@ -583,9 +677,11 @@ class Harbor(Environment):
         else a fresh copy of the task's; only /logs/artifacts and the declared artifacts cross over,
         restored at their absolute paths."""
         tests_dir = _tests_dir(Path(task.path), step)
-        image = await task_image(task, self.cache(), tests_dir) if (tests_dir / "Dockerfile").is_file() else rt.image
+        image = await self._image(spec, task, sandbox, tests_dir) if (tests_dir / "Dockerfile").is_file() else rt.image
         rootfs = await asyncio.to_thread(mounted_root, image) if image is not None else None
         workdir = (image.workdir if image is not None and image is not rt.image else None) or rt.workdir
+        if (why := reserved_workdir(workdir)) is not None:
+            raise TaskError(f"task {task.name}: the verifier's image: {why}")
         fresh = await asyncio.to_thread(trial.fresh_dir, _staged(sandbox, "verifier-work"), sandbox.uid)
         if rootfs is not None:
             source = await asyncio.to_thread(_below, rootfs, workdir)
@@ -661,8 +757,14 @@ class Harbor(Environment):
             await asyncio.to_thread(trial.fresh_dir, sandbox.aux / "logs" / "agent", sandbox.uid)
             ran_agent = await act(step, _read(folder / "instruction.md"), limits)
             if kept is not None:
-                await asyncio.to_thread(trial.write_output, kept / "agent", ran_agent, "stdout.txt", "stderr.txt")
-                await asyncio.to_thread(trial.keep_files, sandbox.aux / "logs" / "agent", kept / "agent")
+                await asyncio.to_thread(
+                    trial.keep_phase,
+                    sandbox.aux / "logs" / "agent",
+                    kept / "agent",
+                    ran_agent,
+                    "stdout.txt",
+                    "stderr.txt",
+                )
             result["agent"] = _phase(ran_agent) if ran_agent is not None else None
             verified = await self.verify_step(spec, sandbox, step)
             result["rewards"], result["verifier"] = verified["rewards"], verified["verifier"]
@@ -876,8 +978,14 @@ class OracleAgent(Agent):
         ran = await _solve(task, rt, None, sandbox, sandbox.limits)
         assert ran is not None
         if sandbox.files is not None:
-            await asyncio.to_thread(trial.write_output, sandbox.files / "agent", ran, "stdout.txt", "stderr.txt")
-            await asyncio.to_thread(trial.keep_files, sandbox.aux / "logs" / "agent", sandbox.files / "agent")
+            await asyncio.to_thread(
+                trial.keep_phase,
+                sandbox.aux / "logs" / "agent",
+                sandbox.files / "agent",
+                ran,
+                "stdout.txt",
+                "stderr.txt",
+            )
         phase = _phase(ran)  # a failed or timed-out agent is still verified, as Harbor does
         call = ToolCall(
             name="run", arguments={"command": "bash /solution/solve.sh"}, result=ran.stdout[-2000:], error=not ran.ok

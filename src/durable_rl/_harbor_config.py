@@ -72,6 +72,36 @@ class TpuSpec(_Model):
     topology: str
 
 
+# Harbor's folders that are always the task's own (or the driver's): the verifier's tests, the
+# oracle's solution, the logs the rewards and kept files are read from. A working copy there
+# would stand in for them (a copy at /tests is the agent's own test.sh).
+RESERVED_FOLDERS = ("/tests", "/solution", "/logs")
+
+
+def normalized(path: str) -> PurePosixPath:
+    """An absolute path as the sandbox resolves it: `.`, `..` and repeated slashes folded."""
+    parts: list[str] = []
+    for part in PurePosixPath(path).parts[1:]:
+        if part == "..":
+            if parts:
+                parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return PurePosixPath("/", *parts)
+
+
+def reserved_workdir(workdir: str) -> str | None:
+    """Why `workdir` cannot be a task's working folder (it lies in one of RESERVED_FOLDERS), or None."""
+    path = normalized(workdir)
+    for folder in RESERVED_FOLDERS:
+        if path.is_relative_to(folder):
+            return (
+                f"workdir {workdir!r} lies in {folder}, which the runner always mounts itself (the task's tests,"
+                " solution or logs, over whatever is there); use another folder, e.g. /app"
+            )
+    return None
+
+
 def _size_mb(size: str) -> int:
     s = size.strip().upper()
     units = {"G": 1024.0, "M": 1.0, "K": 1 / 1024}
@@ -107,6 +137,8 @@ class EnvironmentConfig(_Phase):
     def _absolute(cls, v: str | None) -> str | None:
         if v is not None and not PurePosixPath(v).is_absolute():
             raise ValueError(f"workdir {v!r} is not an absolute path")
+        if v is not None and (why := reserved_workdir(v)) is not None:
+            raise ValueError(why)
         return v
 
     @model_validator(mode="before")

@@ -31,11 +31,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ._sandbox._workspace import content_hash
 
-BUILDER_VERSION = "2"  # 2: COPY and WORKDIR written inside the layer only
+BUILDER_VERSION = "3"  # 2: COPY and WORKDIR written inside the layer only; 3: no cache shared between builds
 BASE_SUITE = "bookworm"
 BASE_PACKAGES = ("python3", "python3-pip", "python3-venv", "ca-certificates", "curl", "fakeroot")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+MB = 1024 * 1024
 BUILD_UID = 609_999  # owns every image file: root inside a build's user namespace; no account on the host
 _DEBIAN_LIKE = re.compile(r"^(docker\.io/)?(library/)?(debian|ubuntu|python|buildpack-deps)(:|@|$)")
 _IGNORED = {"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "SHELL", "HEALTHCHECK", "STOPSIGNAL", "VOLUME", "MAINTAINER"}
@@ -59,6 +60,19 @@ class Image(BaseModel):
     build_seconds: float = Field(description="Seconds the build took when it ran.")
     cache_hit: bool = Field(False, description="True when this call found the image already built.")
     notes: list[str] = Field(default_factory=list, description="What the replay did differently from Docker.")
+    layer_bytes: int = Field(0, description="Disk space the image's own layer takes (its base aside).")
+    layer_files: int = Field(0, description="Files, folders and links in the image's own layer.")
+
+
+class BuildLimits(BaseModel):
+    """What one image's build may take: its time, and its layer's bytes and files."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seconds: float = Field(gt=0, description="Wall-clock seconds for the whole build.")
+    seconds_why: str = Field("build_timeout_sec", description="Where `seconds` comes from, for the error line.")
+    layer_mb: int = Field(ge=1, description="The layer's disk space, in MiB.")
+    layer_files: int = Field(ge=1, description="The layer's files, folders and links.")
 
 
 def default_cache() -> Path:
@@ -279,13 +293,34 @@ def check_dockerfile(text: str) -> tuple[str, list[str]]:
     return base, notes
 
 
+def declared_workdir(text: str) -> str | None:
+    """The WORKDIR a Dockerfile's image ends with (its ARG and ENV values substituted, as the build
+    does), without building it; None when it sets none. A BuildError names a line that cannot be."""
+    state = _State(base="")
+    for n, word, args in instructions(text):
+        if word in ("ARG", "ENV", "WORKDIR"):
+            state.declare(n, word, args)
+    return state.workdir
+
+
 async def build_image(
-    dockerfile: Path, context: Path, cache: Path, *, timeout_s: float, run: Any, extra_notes: list[str] | None = None
+    dockerfile: Path,
+    context: Path,
+    cache: Path,
+    *,
+    limits: BuildLimits,
+    run: Any,
+    extra_notes: list[str] | None = None,
 ) -> Image:
     """The image of `dockerfile` over `context`, built once per content and cached in `cache`.
 
-    `run(command, rootfs, workdir, env, wall_s)` runs one RUN line in the sandbox and returns its
-    CommandResult; it is passed in so this module stays a pure builder."""
+    Builds of different images run at once (each holds the lock of its own image only); a second
+    build of the same image waits for the first and finds it built. The build stops with a
+    BuildError when it passes `limits`: its time, or its layer's bytes or files (the layer's own
+    filesystem holds no more; each line is checked after it too). Nothing of a failed build is kept.
+
+    `run(command, rootfs, workdir, env, wall_s, file_size_mb)` runs one RUN line in the sandbox and
+    returns its CommandResult; it is passed in so this module stays a pure builder."""
     key = await asyncio.to_thread(image_key, dockerfile, context)
     folder = cache / key
     found = await asyncio.to_thread(_load, folder)
@@ -293,24 +328,31 @@ async def build_image(
         return found
     text = await asyncio.to_thread(dockerfile.read_text, errors="replace")
     base, notes = check_dockerfile(text)
-    lock = await asyncio.to_thread(_lock, cache)  # one build at a time: builds share BUILD_UID and the base
+    await asyncio.to_thread(_check_cache, cache)
+    lock = await hold(_lock_path(cache, key))  # this image only: other images build meanwhile
     try:
-        await asyncio.to_thread(_discard_left_behind, cache)
+        await asyncio.to_thread(discard_left_behind, cache, key)
         found = await asyncio.to_thread(_load, folder)
         if found is not None:
             return found
         t0 = time.monotonic()
-        lower = await asyncio.to_thread(base_rootfs, cache)
-        staging = await asyncio.to_thread(_start_layer, cache, key, lower)
+        base_lock = await hold(_lock_path(cache, "base"))  # the base is made once, by one build
+        try:
+            lower = await asyncio.to_thread(base_rootfs, cache)
+        finally:
+            release(base_lock)
+        staging = await asyncio.to_thread(_start_layer, cache, key, lower, limits)
         merged = staging / "merged"
         try:
-            state = _State(base=base)
+            state = _State(base=base, layer=_upper(staging), limits=limits)
             await asyncio.to_thread(_python_image, state, merged)
             for n, word, args in instructions(text):
-                left = timeout_s - (time.monotonic() - t0)
+                left = limits.seconds - (time.monotonic() - t0)
                 if left <= 0:
-                    raise BuildError(f"line {n}: the build passed its {timeout_s:g} s build_timeout_sec")
+                    raise BuildError(f"line {n}: the build passed its {state.time_limit()}")
                 await _apply(n, word, args, state, merged, context, left, run)
+                await asyncio.to_thread(state.check_layer, n)
+            size, files = await asyncio.to_thread(layer_usage, _upper(staging))
             image = Image(
                 key=key,
                 root=str(folder / "rootfs"),
@@ -320,13 +362,30 @@ async def build_image(
                 base=base,
                 build_seconds=round(time.monotonic() - t0, 2),
                 notes=[*notes, *(extra_notes or [])],
+                layer_bytes=size,
+                layer_files=files,
             )
             await asyncio.to_thread(_finish, image, staging, lower, cache)
             return image
         finally:
             await asyncio.to_thread(_discard, staging)
     finally:
-        await asyncio.to_thread(_unlock, lock)
+        release(lock)
+
+
+def layer_usage(layer: Path) -> tuple[int, int]:
+    """(bytes of disk, entries) a layer folder holds: what its files take on disk (a sparse or
+    preallocated file counts what it holds), never following a link."""
+    size = files = 0
+    for top, dirs, names in os.walk(layer):  # os.walk does not descend into linked folders
+        for name in (*dirs, *names):
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue  # removed meanwhile by the build
+            size += st.st_blocks * 512
+            files += 1
+    return size, files
 
 
 def _load(folder: Path) -> Image | None:
@@ -348,36 +407,99 @@ def _load(folder: Path) -> Image | None:
     return Image.model_validate_json(record.read_text()).model_copy(update={"cache_hit": True})
 
 
-def _lock(cache: Path) -> IO[str]:
+def _check_cache(cache: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     cache.chmod(0o711)
     if not _traversable(cache):
         raise BuildError(
             f"image cache {cache}: a folder above it is closed to other users; images there cannot be mounted"
         )
-    f = (cache / ".lock").open("a")
-    fcntl.flock(f, fcntl.LOCK_EX)
+
+
+def _lock_path(cache: Path, name: str) -> Path:
+    """The lock file of one image (by key) or of the base: builds take it exclusively, trials using
+    the image shared; the files stay (removing a lock file another process waits on splits the lock)."""
+    folder = cache / ".locks"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder / name
+
+
+async def hold(path: Path, shared: bool = False) -> IO[str]:
+    """`path`'s flock, waited for without holding a thread (many trials may wait on one build)."""
+    f = path.open("a")
+    delay = 0.01
+    try:
+        while True:
+            try:
+                fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+                return f
+            except BlockingIOError:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+    except BaseException:
+        f.close()
+        raise
+
+
+def try_hold(path: Path) -> IO[str] | None:
+    """`path`'s exclusive flock if no one holds it now, else None."""
+    f = path.open("a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
     return f
 
 
-def _unlock(f: IO[str]) -> None:
+def release(f: IO[str]) -> None:
+    """Let go of a lock from `hold` or `try_hold`."""
     fcntl.flock(f, fcntl.LOCK_UN)
     f.close()
 
 
-def _start_layer(cache: Path, key: str, lower: Path) -> Path:
-    """A fresh layer over the base, mounted at `staging/merged` for the build to write into."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=cache))
+def _start_layer(cache: Path, key: str, lower: Path, limits: BuildLimits) -> Path:
+    """A fresh layer over the base, mounted at `staging/merged` for the build to write into. The
+    layer lies on a filesystem of its own, a file of `limits.layer_mb` MiB with an inode per 4 KiB
+    (at most `limits.layer_files`), loop-mounted at `staging/fs`: a build cannot write past its
+    bound even for a moment (the cache's disk holds only what it wrote)."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
     staging.chmod(0o711)  # the build's uid binds the layer through it
-    upper, work, merged = staging / "layer", staging / "work", staging / "merged"
-    for d in (upper, work, merged):
+    disk, fs, merged = staging / "disk.img", staging / "fs", staging / "merged"
+    fs.mkdir()
+    merged.mkdir()
+    with disk.open("wb") as f:
+        f.truncate(limits.layer_mb * MB)  # sparse: it takes only what the build writes
+    inodes = max(64, min(limits.layer_files, limits.layer_mb * MB // 4096))
+    lazy = "nodiscard,lazy_itable_init=1"  # inode tables left unwritten: the sparse file reads as zeros
+    steps = [
+        ["mkfs.ext4", "-q", "-F", "-m", "0", "-N", str(inodes), "-O", "^has_journal", "-E", lazy, str(disk)],
+        ["mount", "-o", "loop,nosuid,nodev,noinit_itable", str(disk), str(fs)],
+    ]
+    for argv in steps:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            _discard(staging)
+            why = (done.stderr or done.stdout).strip().splitlines()
+            raise BuildError(
+                f"the image layer's bound needs {argv[0]} (a loop-mounted ext4 file), which failed: "
+                f"{why[-1] if why else done.returncode}"
+            )
+    upper, work = _upper(staging), fs / "work"
+    for d in (upper, work):
         d.mkdir()
     os.chown(upper, BUILD_UID, BUILD_UID)
     upper.chmod(0o755)
+    shutil.rmtree(fs / "lost+found", ignore_errors=True)
     if not _mount_overlay(f"lowerdir={lower},upperdir={upper},workdir={work}", merged):
-        shutil.rmtree(staging, ignore_errors=True)
+        _discard(staging)
         raise BuildError("the image layer needs an overlay mount, which this machine refused (not root?)")
     return staging
+
+
+def _upper(staging: Path) -> Path:
+    """The layer a build writes, on its own filesystem."""
+    return staging / "fs" / "layer"
 
 
 def _python_image(state: _State, merged: Path) -> None:
@@ -394,14 +516,23 @@ def _python_image(state: _State, merged: Path) -> None:
 
 
 def _finish(image: Image, staging: Path, lower: Path, cache: Path) -> None:
-    """The built layer into the cache under the image's key, atomically."""
+    """The built layer into the cache under the image's key, atomically: copied off its own
+    filesystem (owners, modes, overlay whiteouts and their attributes kept), which is then removed."""
     _unmount(staging / "merged")
-    subprocess.run(["chmod", "-R", "a+rX", str(staging / "layer")], check=False)
-    final = cache / f".{image.key}.new"
+    subprocess.run(["chmod", "-R", "a+rX", str(_upper(staging))], check=False)
+    final = cache / f".{image.key}.final"
     shutil.rmtree(final, ignore_errors=True)
     final.mkdir()
     final.chmod(0o711)
-    os.rename(staging / "layer", final / "layer")
+    copied = subprocess.run(
+        ["cp", "-a", "--sparse=always", str(_upper(staging)), str(final / "layer")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if copied.returncode != 0:
+        shutil.rmtree(final, ignore_errors=True)
+        raise BuildError(f"the built layer could not be copied into the cache: {copied.stderr.strip()[-300:]}")
     (final / "rootfs").mkdir()
     (final / "lower").write_text(str(lower))
     (final / "image.json").write_text(image.model_dump_json())
@@ -411,32 +542,101 @@ def _finish(image: Image, staging: Path, lower: Path, cache: Path) -> None:
 
 
 def _discard(staging: Path) -> None:
-    if os.path.ismount(staging / "merged"):
-        _unmount(staging / "merged")
+    for mount in (staging / "merged", staging / "fs"):
+        if os.path.ismount(mount):
+            _unmount(mount)
     shutil.rmtree(staging, ignore_errors=True)
 
 
 # what a build killed mid-way leaves: its staging layer (`_start_layer`) or its finished layer
-# not yet renamed into place (`_finish`); a base system's staging is left alone (debootstrap may
-# have mounted the host's /dev or /proc in it)
-_LEFT_BY_A_BUILD = re.compile(r"\.[0-9a-f]{12}-[a-z0-9_]{8}|\.[0-9a-f]{64}\.new")
+# not yet renamed into place (`_finish`), each named by its image's key, and an evicted image
+# not yet removed (`evict`); a base system's staging is left alone (debootstrap may have mounted
+# the host's /dev or /proc in it)
+_LEFT_BY_A_BUILD = re.compile(r"\.(?P<key>[0-9a-f]{64})(-[a-z0-9_]{8}|\.final|\.evicted)")
 
 
-def _discard_left_behind(cache: Path) -> None:
-    """Remove what killed builds left in `cache`. Called with the cache's lock held: no other build
-    is under way, so every such folder is a dead build's. One with a mount still under it after
-    its layer's overlay is taken down stays, for a person to look at."""
+def discard_left_behind(cache: Path, held: str) -> None:
+    """Remove what dead builds left in `cache`: a folder of an image whose lock no one holds (a
+    live build holds its image's), or of the image `held`, whose lock the caller holds and whose
+    build it has not begun. One with a mount still under it after its layer's overlay is taken
+    down stays, for a person to look at."""
+    # a download cache every build once shared (a build may have planted files in it): none reads it
+    shutil.rmtree(cache / ".downloads", ignore_errors=True)
     for entry in os.scandir(cache):
-        if not (_LEFT_BY_A_BUILD.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+        found = _LEFT_BY_A_BUILD.fullmatch(entry.name)
+        if found is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        lock = None if found["key"] == held else try_hold(_lock_path(cache, found["key"]))
+        if lock is None and found["key"] != held:
+            continue  # its build is under way
+        try:
+            folder = Path(entry.path)
+            for mount in (folder / "merged", folder / "fs"):
+                if os.path.ismount(mount):
+                    _unmount(mount)
+            inside = str(folder) + "/"
+            with open("/proc/self/mounts") as mounts:
+                if any(line.split()[1].startswith(inside) for line in mounts):
+                    continue
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            if lock is not None:
+                release(lock)
+
+
+async def use_image(cache: Path, key: str) -> IO[str] | None:
+    """The image's lock held shared for a trial that uses it (no eviction removes it meanwhile),
+    its last use noted; None when the image is no longer in the cache (evicted since)."""
+    lock = await hold(_lock_path(cache, key), shared=True)
+    folder = cache / key
+    if await asyncio.to_thread(_load, folder) is None:
+        release(lock)
+        return None
+    await asyncio.to_thread((folder / "used").touch)
+    return lock
+
+
+def evict(cache: Path, limit_mb: int, keep: str) -> list[str]:
+    """Remove the least recently used images until the layers of those left take at most
+    `limit_mb` together (the base is not counted): never `keep`, never one a live trial uses or a
+    build is making (its lock is held). Returns the keys removed."""
+    found = []
+    for entry in os.scandir(cache):
+        if not re.fullmatch(r"[0-9a-f]{64}", entry.name) or not entry.is_dir(follow_symlinks=False):
             continue
         folder = Path(entry.path)
-        if os.path.ismount(folder / "merged"):
-            _unmount(folder / "merged")
-        inside = str(folder) + "/"
-        with open("/proc/self/mounts") as mounts:
-            if any(line.split()[1].startswith(inside) for line in mounts):
-                continue
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            image = Image.model_validate_json((folder / "image.json").read_text())
+            used = max(os.stat(p).st_mtime for p in (folder / "image.json", folder / "used") if p.exists())
+        except (OSError, ValueError):
+            continue
+        size = image.layer_bytes or layer_usage(folder / "layer")[0]
+        found.append((used, entry.name, size))
+    total = sum(size for _, _, size in found)
+    removed: list[str] = []
+    for _, key, size in sorted(found):
+        if total <= limit_mb * MB:
+            break
+        if key == keep:
+            continue
+        lock = try_hold(_lock_path(cache, key))
+        if lock is None:
+            continue  # in use, or being built
+        try:
+            folder = cache / key
+            if os.path.ismount(folder / "rootfs"):
+                _unmount(folder / "rootfs")
+            if os.path.ismount(folder / "rootfs"):
+                continue  # busy: left for a later eviction
+            doomed = cache / f".{key}.evicted"
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.rename(folder, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            total -= size
+            removed.append(key)
+        finally:
+            release(lock)
+    return removed
 
 
 def mounted_root(image: Image) -> Path:
@@ -451,8 +651,10 @@ def mounted_root(image: Image) -> Path:
 
 
 class _State:
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, layer: Path | None = None, limits: BuildLimits | None = None) -> None:
         self.base = base
+        self.layer = layer  # the layer being written (its size is watched), None when not building
+        self.limits = limits
         self.args: dict[str, str] = {}
         self.env: dict[str, str] = {"PATH": DEFAULT_PATH}  # as every base image sets it
         self.workdir: str | None = None
@@ -461,22 +663,64 @@ class _State:
     def values(self) -> dict[str, str]:
         return {**self.args, **self.env}
 
+    def file_mb(self) -> int:
+        """The largest file a RUN line may write (MiB): the layer's bound."""
+        return self.limits.layer_mb if self.limits else 8192
+
+    def time_limit(self) -> str:
+        """The build's time limit, said as where it comes from."""
+        return f"{self.limits.seconds:g} s {self.limits.seconds_why}" if self.limits else "time limit"
+
+    def over_bound(self) -> str | None:
+        """How the layer passes its bound (bytes or files), or None while it keeps to it."""
+        if self.layer is None or self.limits is None:
+            return None
+        size, files = layer_usage(self.layer)
+        if size > self.limits.layer_mb * MB:
+            return f"the image's layer passed its bound of {self.limits.layer_mb} MiB ({size // MB} MiB written)"
+        if files > self.limits.layer_files:
+            return f"the image's layer passed its bound of {self.limits.layer_files} files ({files} written)"
+        return None
+
+    def full(self) -> str | None:
+        """What of the layer's own filesystem is used up (its space or its files), or None."""
+        if self.layer is None or self.limits is None:
+            return None
+        fs = os.statvfs(self.layer)
+        if fs.f_bavail * fs.f_frsize < MB:
+            return f"the image's layer: its bound of {self.limits.layer_mb} MiB"
+        if fs.f_favail < 16:
+            return f"the image's layer: its bound of {self.limits.layer_files} files"
+        return None
+
+    def check_layer(self, n: int) -> None:
+        """A BuildError when the layer passed its bound after line `n`."""
+        over = self.over_bound()
+        if over is not None:
+            raise BuildError(f"line {n}: {over}")
+
+    def declare(self, n: int, word: str, args: str) -> PurePosixPath | None:
+        """An ARG, ENV or WORKDIR line applied to the state; a WORKDIR's path is returned."""
+        if word == "ARG":
+            for k, v in _key_values(args):
+                self.args.setdefault(k, _substitute(v, self.values()))
+        elif word == "ENV":
+            for k, v in _key_values(args):
+                self.env[k] = _substitute(v, self.values())
+        elif word == "WORKDIR":
+            path = _image_path(n, self.workdir, _substitute(args.strip(), self.values()))
+            self.workdir = str(path)
+            return path
+        return None
+
 
 async def _apply(n: int, word: str, args: str, state: _State, root: Path, context: Path, left: float, run: Any) -> None:
     if word in _IGNORED or word == "FROM":
         return
-    if word == "ARG":
-        for k, v in _key_values(args):
-            state.args.setdefault(k, _substitute(v, state.values()))
-        return
-    if word == "ENV":
-        for k, v in _key_values(args):
-            state.env[k] = _substitute(v, state.values())
-        return
-    if word == "WORKDIR":
-        path = _image_path(n, state.workdir, _substitute(args.strip(), state.values()))
-        state.workdir = str(path)
-        await asyncio.to_thread(_mkdirs, root, path)
+    if word in ("ARG", "ENV", "WORKDIR"):
+        path = state.declare(n, word, args)
+        if path is not None:
+            await asyncio.to_thread(_mkdirs, root, path)
         return
     if word == "USER":
         state.user = _substitute(args.strip(), state.values()).split(":")[0]
@@ -499,11 +743,16 @@ async def _apply(n: int, word: str, args: str, state: _State, root: Path, contex
         script = shlex.quote("set -e\n" + command)
         wrapped = f"FAKEROOTDONTTRYCHOWN=1 exec /usr/bin/fakeroot-sysv /bin/sh -c {script}"
         try:
-            result = await run(wrapped, root, state.workdir or "/", env, left)
+            result = await run(wrapped, root, state.workdir or "/", env, left, state.file_mb())
         except BuildError as e:
             raise BuildError(f"line {n}: {e}") from None
         if result.ended_by == "deadline":
-            raise BuildError(f"line {n}: RUN passed the build's time limit")
+            raise BuildError(f"line {n}: RUN passed the build's {state.time_limit()}")
+        state.check_layer(n)
+        if result.exit_code != 0 and result.ended_by == "file_size":
+            raise BuildError(f"line {n}: RUN tried a file past the image layer's bound of {state.file_mb()} MiB")
+        if result.exit_code != 0 and (full := state.full()) is not None:
+            raise BuildError(f"line {n}: RUN filled {full}")
         if result.exit_code != 0:
             tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
             raise BuildError(f"line {n}: RUN exited {result.exit_code or result.signal}: {' | '.join(tail)[-300:]}")
@@ -532,7 +781,7 @@ async def _copy_uv(n: int, uv: re.Match[str], args: str, state: _State, root: Pa
         f"{shlex.quote(folder)}/; done"
     )
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
-    result = await run(command, root, "/", env, left)
+    result = await run(command, root, "/", env, left, state.file_mb())
     if result.exit_code != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-2:]
         raise BuildError(

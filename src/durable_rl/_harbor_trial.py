@@ -21,7 +21,7 @@ import shutil
 import stat
 import tarfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -102,13 +102,28 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def keep_files(source: Path, dest: Path) -> list[str]:
+def renamed(name: str) -> str:
+    """What a trial's own file of a name the driver keeps itself is kept as: `stdout.txt` ->
+    `stdout.from-task.txt`."""
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}.from-task{dot}{suffix}"
+
+
+def keep_files(source: Path, dest: Path, reserved: Collection[str] = ()) -> list[str]:
     """Copy what a trial wrote under `source` into the kept folder `dest`: regular files and folders
-    only, no link followed, each file at most KEPT_FILE_LIMIT bytes; returns what was left out."""
+    only, no link followed, each file at most KEPT_FILE_LIMIT bytes; returns what was left out.
+    A top-level entry named in `reserved` (a file the driver writes there) is kept `renamed`."""
     left_out: list[str] = []
     total = 0
     if not source.is_dir() or source.is_symlink():
         return left_out
+
+    def out(rel: Path) -> Path:
+        parts = rel.parts
+        if parts and parts[0] in reserved:
+            parts = (renamed(parts[0]), *parts[1:])
+        return dest.joinpath(*parts)
+
     dest.mkdir(parents=True, exist_ok=True)
     for dirpath, dirnames, filenames in os.walk(source, followlinks=False):
         rel = Path(dirpath).relative_to(source)
@@ -116,7 +131,7 @@ def keep_files(source: Path, dest: Path) -> list[str]:
             if (Path(dirpath) / name).is_symlink():
                 left_out.append(str(rel / name) + " (a link)")
             else:
-                (dest / rel / name).mkdir(parents=True, exist_ok=True)
+                out(rel / name).mkdir(parents=True, exist_ok=True)
         for name in sorted(filenames):
             path = Path(dirpath) / name
             try:
@@ -136,7 +151,7 @@ def keep_files(source: Path, dest: Path) -> list[str]:
                 data = os.read(fd, KEPT_FILE_LIMIT)
             finally:
                 os.close(fd)
-            (dest / rel / name).write_bytes(data)
+            out(rel / name).write_bytes(data)
     return left_out
 
 
@@ -147,6 +162,15 @@ def write_output(folder: Path, result: CommandResult | None, stdout: str, stderr
         return
     (folder / stdout).write_text(result.stdout)
     (folder / stderr).write_text(result.stderr)
+
+
+def keep_phase(logs: Path, kept: Path, result: CommandResult | None, stdout: str, stderr: str) -> list[str]:
+    """A phase's files into its kept folder: what the trial wrote under `logs`, then the driver's
+    capture of its stdout and stderr under the names Harbor uses. Those names are the driver's:
+    a trial's own files of the same names are kept `renamed`, never in their place."""
+    left_out = keep_files(logs, kept, reserved=(stdout, stderr))
+    write_output(kept, result, stdout, stderr)
+    return left_out
 
 
 # ---- running a command -------------------------------------------------------------------------------
