@@ -780,13 +780,17 @@ class Harbor(Environment):
 
 
 def _phase(r: CommandResult) -> dict[str, Any]:
-    return {
+    phase: dict[str, Any] = {
         "exit_code": r.exit_code,
         "signal": r.signal,
         "ended_by": r.ended_by,
         "seconds": r.seconds,
         "stderr_tail": r.stderr[-2000:],
     }
+    cut = [name for name, cut in (("stdout", r.stdout_truncated), ("stderr", r.stderr_truncated)) if cut]
+    if cut:  # the kept stdout.txt / stderr.txt hold only the start: said, with what the command wrote
+        phase["output_truncated"] = {name: getattr(r, f"{name}_bytes") for name in cut}
+    return phase
 
 
 def _kept(sandbox: Sandbox, step: StepConfig | None) -> Path | None:

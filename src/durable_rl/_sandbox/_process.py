@@ -6,6 +6,11 @@ and mount namespaces; a read-only root; only its mounts; `--die-with-parent`), e
 absolute path with an empty environment: the task's variables exist only inside. With network
 on, slirp4netns gives the sandbox's own network namespace a way out, but not to the host's
 loopback. What ended the command is recorded: exit, signal, or the limit it hit.
+
+Its stdout and stderr are pipes the driver reads, never files: nothing the command does to its
+fd 1 or 2 (`posix_fallocate`, a seek, a huge write) takes disk or memory outside the trial. The
+first `Limits.output_bytes` of each are kept; the rest is read and dropped (spliced to /dev/null,
+never copied), and the result says how many bytes the command wrote and whether any were cut.
 """
 
 from __future__ import annotations
@@ -16,11 +21,10 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,7 +32,8 @@ from ._bwrap import BWRAP, PRLIMIT, SETPRIV, SLIRP4NETNS, Mount, bwrap_args, che
 from ._uids import can_switch_uid
 
 EndedBy = Literal["exit", "signal", "deadline", "cpu", "memory", "file_size", "processes"]
-OUTPUT_LIMIT = 64 * 1024  # bytes of stdout and of stderr kept per command
+OUTPUT_LIMIT = 64 * 1024  # bytes of stdout and of stderr kept per command, by default
+_DRAIN_GRACE_S = 2.0  # after the sandbox ended, how long its output pipes may stay open
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -48,6 +53,12 @@ class Limits(BaseModel):
     storage_mb: int = Field(
         1024, ge=1, description="The trial's writable layer (its copy, /tmp, /dev/shm, logs), in MiB."
     )
+    output_bytes: int = Field(
+        OUTPUT_LIMIT,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Bytes of stdout and of stderr kept per command; the rest is read and dropped.",
+    )
 
 
 class CommandResult(BaseModel):
@@ -58,8 +69,12 @@ class CommandResult(BaseModel):
     exit_code: int | None = Field(description="Exit status, None when a signal ended it.")
     signal: str | None = Field(description="Name of the signal that ended it, if any.")
     ended_by: EndedBy = Field(description="What ended it: a normal exit, a signal, or which limit.")
-    stdout: str = Field(description="Standard output (first 64 KiB).")
-    stderr: str = Field(description="Standard error (first 64 KiB).")
+    stdout: str = Field(description="Standard output (its first `Limits.output_bytes`).")
+    stderr: str = Field(description="Standard error (its first `Limits.output_bytes`).")
+    stdout_bytes: int = Field(0, description="Bytes the command wrote to stdout, kept or not.")
+    stderr_bytes: int = Field(0, description="Bytes the command wrote to stderr, kept or not.")
+    stdout_truncated: bool = Field(False, description="stdout was longer than the cap: only its start is kept.")
+    stderr_truncated: bool = Field(False, description="stderr was longer than the cap: only its start is kept.")
     seconds: float = Field(description="Wall time.")
     isolation: list[str] = Field(
         description="The isolation layers that applied: bwrap, netns or slirp4netns, uid, rlimits."
@@ -149,12 +164,13 @@ async def run_command(
     if limits.network:
         applied[1] = "slirp4netns"
     t0 = time.monotonic()
-    # Output goes to files, not pipes: a background child holding a pipe open must not keep
-    # the command "running" after its shell has exited.
-    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
-        ended = await _launch(command, options, limits, uid, out_file, err_file)
-        stdout, stderr = _read_capped(out_file), _read_capped(err_file)
-    code, timed_out = ended
+    out, err = _Capture(limits.output_bytes), _Capture(limits.output_bytes)
+    try:
+        code, timed_out = await _launch(command, options, limits, uid, out, err)
+    finally:
+        out.close()
+        err.close()
+    stdout, stderr = out.text(), err.text()
     sig = _signal_of(code)
     return CommandResult(
         exit_code=code if code is not None and code >= 0 else None,
@@ -162,6 +178,10 @@ async def run_command(
         ended_by=_ended_by(timed_out, sig, stderr),
         stdout=stdout,
         stderr=stderr,
+        stdout_bytes=out.total,
+        stderr_bytes=err.total,
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
         seconds=round(time.monotonic() - t0, 3),
         isolation=applied,
     )
@@ -181,8 +201,84 @@ def _place_cwd(cwd: Path, mounts: Sequence[Mount], uid: int | None) -> tuple[lis
     return bound, inside
 
 
+class _Capture:
+    """One output pipe of a command: the driver holds its read end (non-blocking, read on the
+    event loop), the command its write end. The first `cap` bytes are kept; past them, what comes
+    is spliced to /dev/null (counted, never copied into the driver). A pipe cannot be
+    fallocated, seeked or grown: the command's fd 1 and 2 hold at most the pipe's own buffer."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.read_fd, self.write_fd = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self.read_fd, False)
+        self.kept = bytearray()
+        self.total = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ended: asyncio.Future[None] | None = None
+        self.devnull = -1
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.kept)
+
+    def start(self) -> None:
+        """Read on the running loop until the last writer closes its end (the child has a copy)."""
+        self.close_write()
+        self.loop = asyncio.get_running_loop()
+        self.ended = self.loop.create_future()
+        self.loop.add_reader(self.read_fd, self._readable)
+
+    def close_write(self) -> None:
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+
+    def _readable(self) -> None:
+        try:
+            if len(self.kept) < self.cap:
+                chunk = os.read(self.read_fd, 1 << 16)
+                got = len(chunk)
+                self.kept += chunk[: self.cap - len(self.kept)]
+            else:
+                if self.devnull < 0:
+                    self.devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+                got = os.splice(self.read_fd, self.devnull, 1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            got = 0
+        if got == 0:
+            self._stop()
+            return
+        self.total += got
+
+    def _stop(self) -> None:
+        if self.loop is not None and self.read_fd >= 0:
+            self.loop.remove_reader(self.read_fd)
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_result(None)
+
+    async def drained(self, within_s: float) -> None:
+        """Until the pipe's end of file, or `within_s` (what is left then is dropped)."""
+        if self.ended is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.ended), within_s)
+
+    def close(self) -> None:
+        self._stop()
+        self.close_write()
+        for fd in (self.read_fd, self.devnull):
+            if fd >= 0:
+                os.close(fd)
+        self.read_fd = self.devnull = -1
+
+    def text(self) -> str:
+        return bytes(self.kept).decode("utf-8", errors="replace")
+
+
 async def _launch(
-    command: str, options: list[str], limits: Limits, uid: int | None, out_file: IO[bytes], err_file: IO[bytes]
+    command: str, options: list[str], limits: Limits, uid: int | None, out: _Capture, err: _Capture
 ) -> tuple[int | None, bool]:
     """Start the sandbox, wire its network when asked, wait for it under the deadline; its exit
     code and whether the deadline ended it."""
@@ -204,18 +300,22 @@ async def _launch(
             cwd="/",
             env={},  # the helpers get nothing from the driver or the task: no PATH, no LD_PRELOAD
             stdin=subprocess.DEVNULL,
-            stdout=out_file,
-            stderr=err_file,
+            stdout=out.write_fd,
+            stderr=err.write_fd,
             pass_fds=fds,
             start_new_session=True,  # its own process group: the deadline kills all of it
         )
     finally:
+        out.close_write()  # the child has its copies: the pipes end when the sandbox does
+        err.close_write()
         os.close(args_fd)
         if net_fds is not None:
             os.close(net_fds[1])
             os.close(net_fds[2])
     slirp: list[tuple[asyncio.subprocess.Process, int]] = []  # filled once slirp4netns runs
     timed_out = False
+    out.start()
+    err.start()
 
     async def run() -> None:
         if net_fds is not None:
@@ -238,6 +338,10 @@ async def _launch(
         for slirp_proc, exit_w in slirp:
             os.close(exit_w)  # slirp4netns ends on its exit fd
             await slirp_proc.wait()
+        # bwrap's pid 1 took every process of the sandbox with it: the pipes' writers are gone,
+        # what they wrote is still to read; a writer that outlived it anyway is cut off
+        await out.drained(_DRAIN_GRACE_S)
+        await err.drained(_DRAIN_GRACE_S)
     return proc.returncode, timed_out
 
 
@@ -321,11 +425,6 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _read_capped(f: IO[bytes]) -> str:
-    f.seek(0)
-    return f.read(OUTPUT_LIMIT).decode("utf-8", errors="replace")
 
 
 def _signal_of(code: int | None) -> int | None:
