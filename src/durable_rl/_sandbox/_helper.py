@@ -7,10 +7,15 @@ would wait behind those threads, the more so the more trials a step has. The hel
 to share. The driver's event loop talks to it
 over a socket it reads itself (no thread in between): one line of JSON a request, one a reply.
 
-The helper holds the uid leases' locks, so a lease lives exactly as long as the helper, which
-lives as long as its driver: it leaves when the socket closes (the driver exited or was killed)
-or when its parent dies. Leases and copies go before removals, so a step's trials are not kept
-waiting behind the removals of the step before.
+The helper takes the uid leases' locks and passes each lease file's descriptor to the driver
+with its reply (SCM_RIGHTS): both hold the one lock, which is free only once both let go. The
+helper leaves when the socket closes (the driver exited or was killed) or when its parent dies,
+killing what still runs under the uids it leased before giving them back. A helper that dies
+alone (killed) leaves the driver holding every lease: the driver stops the trials it served
+(their commands killed, their copies removed, each failed with `HelperGone`, to be retried as
+any failed attempt is, without the helper) and gives a uid back only when no process of it is
+left. Leases and copies go before removals, so a step's trials are not kept waiting behind the
+removals of the step before.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import traceback
 from pathlib import Path
@@ -45,7 +51,10 @@ def _rebuilt(reply: dict[str, Any]) -> Exception:
 
 
 class HelperGone(RuntimeError):
-    """The sandbox helper died: what was asked of it has no answer."""
+    """The sandbox helper died: what was asked of it has no answer, and the trials it served were stopped."""
+
+
+_MAX_FDS = 250  # lease descriptors one read may bring (the kernel passes at most 253 a message)
 
 
 class Helper:
@@ -60,6 +69,9 @@ class Helper:
         self.waiting: dict[int, asyncio.Future[Any]] = {}
         self.next_id = 0
         self.gone = False
+        self.fds: collections.deque[int] = collections.deque()  # lease descriptors not yet matched to a reply
+        self.served: dict[int, asyncio.Task[Any]] = {}  # uid -> the trial holding it through this helper
+        self.cut_off: set[int] = set()  # uids whose trial the helper's death stopped
 
     def usable(self) -> bool:
         """True when this event loop can talk to the helper (the loop it first talked from)."""
@@ -105,11 +117,13 @@ class Helper:
 
     def _read(self) -> None:
         try:
-            chunk = self.sock.recv(1 << 16)
+            # a lease's descriptor comes with the first byte of its reply: queued before the reply is read whole
+            chunk, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
         except BlockingIOError:
             return
         except OSError:
-            chunk = b""
+            chunk, fds = b"", []
+        self.fds.extend(fds)
         if not chunk:
             self._lost()
             return
@@ -118,6 +132,8 @@ class Helper:
         self.inbox = bytearray(rest)
         for line in lines:
             reply = json.loads(line)
+            if reply.get("op") == "lease" and "result" in reply:
+                reply["result"] = (reply["result"], self.fds.popleft())
             waiter = self.waiting.pop(reply["id"])
             if waiter.cancelled():
                 self._undo(reply)
@@ -129,9 +145,13 @@ class Helper:
     def _undo(self, reply: dict[str, Any]) -> None:
         """A lease whose trial was cancelled while it was taken: given back at once."""
         if reply.get("op") == "lease" and "result" in reply:
-            self.post("release", uid=reply["result"])
+            uid, fd = reply["result"]
+            os.close(fd)
+            self.post("release", uid=uid)
 
     def _lost(self) -> None:
+        """The helper died: every trial it holds a lease for is stopped (cancelled, its lease kept
+        by the driver until no process of its uid is left, see `leased_uid_async`)."""
         self.gone = True
         assert self.loop is not None
         self.loop.remove_reader(self.sock.fileno())
@@ -140,6 +160,19 @@ class Helper:
             if not waiter.done():
                 waiter.set_exception(HelperGone("the sandbox helper died"))
         self.waiting.clear()
+        while self.fds:
+            os.close(self.fds.popleft())
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, os.WNOHANG)
+        self.cut_off.update(self.served)
+        for task in self.served.values():
+            task.cancel()
+        print(
+            f"the sandbox helper (pid {self.pid}) died: {len(self.served)} live trial(s) it served were stopped "
+            "and fail as HelperGone; later trials run without it",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         """Ask the helper to finish what it was sent (removals, releases) and wait until it has."""
@@ -151,6 +184,8 @@ class Helper:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
         self.sock.close()
+        while self.fds:
+            os.close(self.fds.popleft())
 
 
 _HELPER: Helper | None = None
@@ -216,11 +251,22 @@ def _serve(sock: socket.socket, driver: int) -> None:
             if reply is not None:
                 sock.setblocking(True)
                 with contextlib.suppress(OSError):  # a driver gone: the loop ends at EOF
-                    sock.sendall(json.dumps(reply).encode() + b"\n")
-    from ._uids import _release
+                    _send(sock, reply, leases)
+    from ._uids import _release, reap_uid
 
-    for fd in leases.values():  # the driver ended: its trials with it
+    for uid, fd in leases.items():  # the driver ended: its trials with it (bwrap dies with its parent)
+        reap_uid(uid)  # nothing of the uid may outlive its lease, even for the moment its kill takes
         _release(fd)
+
+
+def _send(sock: socket.socket, reply: dict[str, Any], leases: dict[int, int]) -> None:
+    """One reply line; a lease's carries its lease file's descriptor, which the driver holds too."""
+    data = json.dumps(reply).encode() + b"\n"
+    if reply.get("op") == "lease" and "result" in reply:
+        sent = socket.send_fds(sock, [data], [leases[reply["result"]]])
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
 
 
 def _answer(request: dict[str, Any], leases: dict[int, int], driver: int) -> dict[str, Any] | None:

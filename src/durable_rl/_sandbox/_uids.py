@@ -63,12 +63,27 @@ async def leased_uid_async() -> AsyncIterator[int | None]:
         yield None
         return
     sandbox_helper = helper()
-    if sandbox_helper is not None and sandbox_helper.usable():  # the helper holds the lease's lock
-        uid: int = await sandbox_helper.call("lease")
+    if sandbox_helper is not None and sandbox_helper.usable():  # the helper and the driver hold the lease's lock
+        uid, fd = await sandbox_helper.call("lease")
+        task = asyncio.current_task()
+        assert task is not None
+        sandbox_helper.served[uid] = task
         try:
             yield uid
+        except asyncio.CancelledError:
+            if uid not in sandbox_helper.cut_off:
+                raise
+            task.uncancel()  # the helper's death stopped the trial, not a cancellation of the caller's
+            raise HelperGone(
+                "the sandbox helper died during this trial: its commands were killed and its working copy removed"
+            ) from None
         finally:
-            with contextlib.suppress(HelperGone):  # a helper gone took its leases with it
+            sandbox_helper.served.pop(uid, None)
+            if sandbox_helper.gone:  # the driver's descriptor holds the lock until nothing of the uid is left
+                sandbox_helper.cut_off.discard(uid)
+                await asyncio.shield(asyncio.to_thread(_reap_and_release, uid, fd))
+            else:
+                os.close(fd)
                 sandbox_helper.post("release", uid=uid)
         return
     leasing = _LEASING.submit(_lease)
@@ -88,6 +103,11 @@ def _release(fd: int) -> None:
     # reap; a holder that dies before this line leaves `busy`, and the next lease reaps
     os.pwrite(fd, _FREE, 0)
     os.close(fd)  # closing drops the flock
+
+
+def _reap_and_release(uid: int, fd: int) -> None:
+    reap_uid(uid)
+    _release(fd)
 
 
 def _release_unclaimed(leasing: Future[tuple[int, int]]) -> None:

@@ -1,0 +1,216 @@
+"""Hostile trials against what the driver gives them or keeps of them: a command's stdout and
+stderr, the files a trial leaves for the kept trial folder, the sandbox helper that holds their
+uids. Checked from the host: `df` and inode counts, `flock` on the uid locks, `/proc`, the record.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Cli, leftover_copies
+from test_hostile import REWARD, _in_sandbox_range, _sleepers, _task
+
+from durable_rl._engine._store import Store
+from durable_rl._sandbox._uids import processes_of
+from durable_rl._sandbox._workspace import trials_dir_for
+from durable_rl._views import recorded
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks run as root, as the red team ran them")
+MB = 1 << 20
+
+
+class FreeSpace:
+    """The least free space seen on each file system while the run went, sampled from the host."""
+
+    def __init__(self, *paths: Path) -> None:
+        self.paths = paths
+        self.start = {p: self.free(p) for p in paths}
+        self.least = dict(self.start)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def free(path: Path) -> int:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            for p in self.paths:
+                self.least[p] = min(self.least[p], self.free(p))
+            time.sleep(0.02)
+
+    def dropped(self) -> dict[Path, int]:
+        return {p: self.start[p] - self.least[p] for p in self.paths}
+
+
+@pytest.fixture
+def free_space(cli: Cli) -> Iterator[FreeSpace]:
+    state = cli.cwd / ".durable-rl"
+    state.mkdir(exist_ok=True)
+    watch = FreeSpace(Path("/tmp"), state)
+    watch.thread.start()
+    try:
+        yield watch
+    finally:
+        watch.stop.set()
+        watch.thread.join()
+
+
+def _trials(cli: Cli, run_id: str) -> dict[str, dict[str, Any]]:
+    return {t["trial_id"].split("-", 1)[1].rsplit("-", 1)[0]: t for t in cli.json("show", run_id, "--trials")}
+
+
+def _trajectory(cli: Cli, trial: dict[str, Any]) -> dict[str, Any]:
+    traj = recorded(Store(cli.db), trial["generate_identity"])
+    assert traj is not None, trial
+    return traj
+
+
+FLOOD = """\
+python3 -c '
+import os
+for fd in (1, 2):
+    try:
+        os.posix_fallocate(fd, 0, 2 << 30)
+        said = "fallocated"
+    except OSError as e:
+        said = e.strerror
+    open(f"/logs/agent/fallocate-{fd}", "w").write(said)
+'
+fallocate -l 2G /proc/self/fd/1
+fallocate -l 2G /proc/self/fd/2
+head -c 300000000 /dev/zero
+head -c 300000000 /dev/zero >&2
+sleep 2
+"""
+
+HONEST = ("touch ok.txt\n", REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n')
+
+
+def test_fallocate_and_a_flood_on_fd_1_and_2_take_no_host_disk_and_the_record_says_truncated(
+    cli: Cli, tmp_path: Path, free_space: FreeSpace
+) -> None:
+    tasks = tmp_path / "tasks"
+    _task(tasks, "flood", FLOOD, test=REWARD + 'echo 0 > "$R/reward.txt"\n')
+    _task(tasks, "honest", *HONEST)
+    proc = cli.run("train", "--run-id", "flood", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
+    assert proc.returncode == 0, proc.stderr
+    free_space.stop.set()
+    free_space.thread.join()
+    # 2 GiB fallocated on each of fd 1 and 2 and 300 MB written to each: none of it on a host disk
+    dropped = free_space.dropped()
+    assert all(d < 64 * MB for d in dropped.values()), {str(p): d // MB for p, d in dropped.items()}
+    trials = _trials(cli, "flood")
+    assert trials["honest"]["reward"] == 1.0, trials["honest"]
+    flood = trials["flood"]
+    files = cli.cwd / ".durable-rl" / "trial-files" / "flood" / flood["trial_id"] / "attempt-0" / "agent"
+    # fd 1 and 2 are pipes: nothing to allocate on
+    assert (files / "fallocate-1").read_text() == (files / "fallocate-2").read_text() == "Illegal seek"
+    # what is kept is the cap's worth, and the record says how much more the command wrote
+    assert (files / "stdout.txt").stat().st_size <= 64 * 1024
+    assert (files / "stderr.txt").stat().st_size <= 64 * 1024
+    agent = _trajectory(cli, flood)["metadata"]["agent"]
+    assert agent["ended_by"] == "exit"
+    assert agent["output_truncated"]["stdout"] >= 300_000_000, agent
+    assert agent["output_truncated"]["stderr"] >= 300_000_000, agent
+
+
+# ---- the sandbox helper killed alone -------------------------------------------------------------
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _descendants(root: int) -> list[int]:
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    children: dict[int, list[int]] = {}
+    for pid in pids:
+        children.setdefault(_parent(pid), []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _helpers_of(cli_pid: int) -> list[int]:
+    """The sandbox helper: a fork of the driver (the same command line as its parent), which is
+    itself a fork of the CLI; the driver's other children are bwrap and slirp4netns."""
+    return [
+        pid
+        for pid in _descendants(cli_pid)
+        if _parent(pid) != cli_pid and b"durable_rl" in _cmdline(pid) and _cmdline(pid) == _cmdline(_parent(pid))
+    ]
+
+
+def _flock_free(uid: int) -> bool:
+    """True when `flock -n` on the uid's lease file gets the lock, from the host."""
+    lease = f"/run/durable-rl/uids/{uid}"
+    return subprocess.run(["flock", "-n", "-E", "99", lease, "true"], capture_output=True).returncode == 0
+
+
+def test_a_killed_sandbox_helper_stops_its_trials_and_never_frees_a_uid_a_process_still_has(
+    cli: Cli, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks"
+    for i in range(3):  # long trials: each a sleep; a retry's ends with its 12 s agent timeout
+        _task(tasks, f"long-{i}", "touch ok.txt\nsleep 1000\n", test=HONEST[1], agent_s=12)
+    driver = cli.popen("train", "--run-id", "helper", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
+    violations: list[tuple[int, list[int]]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(sleepers := _sleepers()) < 3:
+            assert time.monotonic() < deadline and driver.poll() is None, driver.stderr.read() if driver.stderr else ""
+            time.sleep(0.1)
+        uids = {os.stat(f"/proc/{pid}").st_uid for pid in sleepers}
+        assert len(uids) == 3 and all(not _flock_free(u) for u in uids)  # each trial's lease held
+        helpers = _helpers_of(driver.pid)
+        assert len(helpers) == 1, helpers
+        os.kill(helpers[0], signal.SIGKILL)
+        # from the host: the trials' processes die, and no uid's lock is free while one of them lives
+        deadline = time.monotonic() + 20
+        while any(processes_of(u) for u in uids):
+            for u in uids:
+                if _flock_free(u) and (alive := processes_of(u)):
+                    violations.append((u, alive))
+            assert time.monotonic() < deadline, {u: processes_of(u) for u in uids}
+        assert violations == []
+        assert all(not _in_sandbox_range(pid) for pid in sleepers)  # the first attempts' sleeps are gone
+        _, err = driver.communicate(timeout=200)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.communicate()
+    assert driver.returncode == 0, err
+    assert err.count("the sandbox helper") == 1 and "died" in err, err  # said once, with what it did
+    trials = _trials(cli, "helper")
+    for name, t in trials.items():
+        # each first attempt failed with the named cause; its retry ran without the helper and scored
+        assert [f["error"].split(":")[0] for f in t["failures"]] == ["HelperGone"], (name, t["failures"])
+        assert "sandbox helper died" in t["failures"][0]["error"]
+        assert t["reward"] == 1.0, (name, t)
+    # no copy left, no process of the run's uids, and every uid the trials had given back
+    trials_dir = trials_dir_for(cli.cwd / ".durable-rl")
+    assert leftover_copies(trials_dir) == []
+    assert all(processes_of(u) == [] and _flock_free(u) for u in uids)
