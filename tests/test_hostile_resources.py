@@ -20,7 +20,7 @@ from test_hostile import REWARD, _in_sandbox_range, _sleepers, _task
 
 from durable_rl._engine._store import Store
 from durable_rl._sandbox._uids import processes_of
-from durable_rl._sandbox._workspace import trials_dir_for
+from durable_rl._sandbox._workspace import remove_tree, trials_dir_for
 from durable_rl._views import recorded
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks run as root, as the red team ran them")
@@ -214,3 +214,81 @@ def test_a_killed_sandbox_helper_stops_its_trials_and_never_frees_a_uid_a_proces
     trials_dir = trials_dir_for(cli.cwd / ".durable-rl")
     assert leftover_copies(trials_dir) == []
     assert all(processes_of(u) == [] and _flock_free(u) for u in uids)
+
+
+# ---- the kept trial folder: file count, depth, bytes -----------------------------------------------
+
+MANY = """\
+mkdir -p /logs/agent/many && cd /logs/agent/many && seq 200000 | xargs touch
+python3 -c '
+import os
+os.makedirs("/logs/agent/deep")
+os.chdir("/logs/agent/deep")
+for _ in range(2000):
+    os.mkdir("d")
+    os.chdir("d")
+open("bottom", "w").close()
+'
+cd /app && touch ok.txt
+"""
+
+
+def _entries(root: Path) -> int:
+    """Inodes under `root`, counted from the host."""
+    out = subprocess.run(["find", str(root)], capture_output=True, text=True, check=True).stdout
+    return len(out.splitlines())
+
+
+def _free_inodes(path: Path) -> int:
+    return os.statvfs(path).f_favail
+
+
+def test_200000_files_and_2000_nested_folders_keep_no_more_than_the_cap_and_raise_no_recursion_error(
+    cli: Cli, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks"
+    _task(tasks, "many", MANY, test=HONEST[1], agent_s=120)
+    _task(tasks, "honest", *HONEST)
+    state = cli.cwd / ".durable-rl"
+    state.mkdir()
+    free_before = _free_inodes(state)
+    proc = cli.run("train", "--run-id", "many", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "RecursionError" not in proc.stderr
+    trials = _trials(cli, "many")
+    assert trials["honest"]["reward"] == 1.0, trials["honest"]
+    many = trials["many"]
+    assert many["reward"] == 1.0 and many["error_message"] is None, many  # verified as any trial, nothing raised
+    # the host's inodes: the trial's kept folder holds the cap's worth (10,000 files and folders by
+    # default, and its few own files), not 202,000; the state file system lost no more than that
+    kept = state / "trial-files" / "many" / many["trial_id"]
+    assert 9_000 < _entries(kept) <= 10_000 + 10, _entries(kept)
+    assert free_before - _free_inodes(state) < 100_000  # other work on the machine shares the file system
+    # the record says what was cut, and why
+    notes = _trajectory(cli, many)["verdict"]["details"]["notes"]
+    assert any("the trial's cap of 10000 kept files reached" in n for n in notes), notes
+    assert len([n for n in notes if n.startswith("kept files:")]) <= 21, notes  # a few lines, not 190,000
+
+
+def test_a_task_folder_2000_folders_deep_is_copied_to_the_cap_without_recursion(tmp_path: Path) -> None:
+    from durable_rl._harbor_trial import copy_task_folder
+
+    source = tmp_path / "tests"
+    source.mkdir()
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        for _ in range(2000):  # by descriptor: the path would pass PATH_MAX
+            os.mkdir("d", dir_fd=fd)
+            down = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = down
+        os.close(os.open("bottom", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    finally:
+        os.close(fd)
+    try:
+        left_out = copy_task_folder(source, tmp_path / "dest", None)
+        assert any("64 folders deep left out" in n for n in left_out), left_out
+        assert _entries(tmp_path / "dest") == 1 + 64
+    finally:
+        assert remove_tree(source)  # nor in removing it (shutil.rmtree raises RecursionError here)
+    assert not source.exists()

@@ -279,6 +279,7 @@ class _Runtime:
         if image is not None and not image.workdir and not task.config.environment.workdir:
             self.notes.append("the image sets no WORKDIR: commands run in /app (writable) rather than /")
         self.default_user = image.user if image else None  # the Dockerfile's USER
+        self.kept = trial.KeptBudget()  # what its kept folder may still take: set by setup
         self.env = {
             **(trust_env() if image else {}),
             **(image.env if image else {}),
@@ -289,6 +290,10 @@ class _Runtime:
             "LOGS_DIR": "/logs",
             "HOME": "/root" if image is not None else self.workdir,
         }
+
+    def keep(self, left_out: list[str]) -> None:
+        """What copying the trial's files into its kept folder left out, in the trial's notes (its record)."""
+        self.notes.extend(f"kept files: {line}" for line in left_out)
 
     def user_id(self, user: str | int | None) -> int | None:
         """The uid inside the sandbox for a task's `user` (a name of the image's /etc/passwd or a
@@ -428,6 +433,22 @@ class HarborSettings(PluginSettings):
         description="The most disk the cached images' layers may take together, in MiB (the base system aside):"
         " a new image evicts the least recently used ones past it, never one a live trial uses.",
     )
+    kept_file_mb: int = Field(16, ge=1, le=1 << 20, description="MiB of one file a trial's kept folder keeps.")
+    kept_trial_mb: int = Field(100, ge=0, le=1 << 30, description="MiB of files one trial's kept folder keeps.")
+    kept_trial_files: int = Field(10_000, ge=0, le=10**9, description="Files and folders one trial keeps.")
+    kept_run_mb: int = Field(4096, ge=0, le=1 << 30, description="MiB of kept trial files for the whole run.")
+    kept_run_files: int = Field(200_000, ge=0, le=10**9, description="Kept files and folders for the whole run.")
+
+    def kept_caps(self) -> trial.KeptCaps:
+        """What the kept trial folders may hold, from these settings."""
+        mb = 1024 * 1024
+        return trial.KeptCaps(
+            file_bytes=self.kept_file_mb * mb,
+            trial_bytes=self.kept_trial_mb * mb,
+            trial_files=self.kept_trial_files,
+            run_bytes=self.kept_run_mb * mb,
+            run_files=self.kept_run_files,
+        )
 
     @field_validator("path")
     @classmethod
@@ -525,6 +546,8 @@ class Harbor(Environment):
         rootfs = await asyncio.to_thread(mounted_root, image) if image is not None else None
         rt = _Runtime(task, image, rootfs, tuple(self.settings.pass_env))
         rt.notes += build_limits(task, self.settings)[1] if image is not None else []
+        # the run's kept files are under trial-files/RUN/TRIAL/attempt-N
+        rt.kept = trial.KeptBudget(self.settings.kept_caps(), sandbox.files.parent.parent if sandbox.files else None)
         self._runtimes[spec.trial_id] = rt
         if rootfs is not None:
             await asyncio.to_thread(_copy_image_workdir, rootfs, rt.workdir, sandbox)
@@ -617,9 +640,15 @@ class Harbor(Environment):
         tar, notes = await trial.snapshot_artifacts(sandbox, artifacts, sandbox.aux, sandbox.limits)
         out["artifact_notes"] = notes
         if kept is not None:
-            await asyncio.to_thread(trial.keep_files, sandbox.aux / "logs" / "artifacts", kept / "artifacts")
+            rt.keep(
+                await asyncio.to_thread(
+                    trial.keep_files, sandbox.aux / "logs" / "artifacts", kept / "artifacts", rt.kept
+                )
+            )
             if tar is not None:
-                notes.extend(await asyncio.to_thread(trial.extract_artifacts, tar, artifacts, kept / "artifacts"))
+                notes.extend(
+                    await asyncio.to_thread(trial.extract_artifacts, tar, artifacts, kept / "artifacts", rt.kept)
+                )
         out["artifacts"] = [a.source for a in artifacts]
         separate = config.separate_verifier(step)
         tests = await asyncio.to_thread(_stage_tests, task, step, sandbox)
@@ -646,8 +675,10 @@ class Harbor(Environment):
             checked = await self._separate(spec, task, rt, sandbox, step, tar, artifacts, mounts, env, limits)
         out["verifier"] = _phase(checked)
         if kept is not None:
-            await asyncio.to_thread(
-                trial.keep_phase, logs, kept / "verifier", checked, "test-stdout.txt", "test-stderr.txt"
+            rt.keep(
+                await asyncio.to_thread(
+                    trial.keep_phase, logs, kept / "verifier", checked, "test-stdout.txt", "test-stderr.txt", rt.kept
+                )
             )
         if checked.ended_by == "deadline":
             out["error"] = f"verifier passed its {verifier.timeout_sec:g} s timeout and was killed"
@@ -757,13 +788,16 @@ class Harbor(Environment):
             await asyncio.to_thread(trial.fresh_dir, sandbox.aux / "logs" / "agent", sandbox.uid)
             ran_agent = await act(step, _read(folder / "instruction.md"), limits)
             if kept is not None:
-                await asyncio.to_thread(
-                    trial.keep_phase,
-                    sandbox.aux / "logs" / "agent",
-                    kept / "agent",
-                    ran_agent,
-                    "stdout.txt",
-                    "stderr.txt",
+                rt.keep(
+                    await asyncio.to_thread(
+                        trial.keep_phase,
+                        sandbox.aux / "logs" / "agent",
+                        kept / "agent",
+                        ran_agent,
+                        "stdout.txt",
+                        "stderr.txt",
+                        rt.kept,
+                    )
                 )
             result["agent"] = _phase(ran_agent) if ran_agent is not None else None
             verified = await self.verify_step(spec, sandbox, step)
@@ -982,13 +1016,16 @@ class OracleAgent(Agent):
         ran = await _solve(task, rt, None, sandbox, sandbox.limits)
         assert ran is not None
         if sandbox.files is not None:
-            await asyncio.to_thread(
-                trial.keep_phase,
-                sandbox.aux / "logs" / "agent",
-                sandbox.files / "agent",
-                ran,
-                "stdout.txt",
-                "stderr.txt",
+            rt.keep(
+                await asyncio.to_thread(
+                    trial.keep_phase,
+                    sandbox.aux / "logs" / "agent",
+                    sandbox.files / "agent",
+                    ran,
+                    "stdout.txt",
+                    "stderr.txt",
+                    rt.kept,
+                )
             )
         phase = _phase(ran)  # a failed or timed-out agent is still verified, as Harbor does
         call = ToolCall(

@@ -7,12 +7,15 @@ oracle only, over the task image's root (or the host's system folders), read-onl
 The host-side folders behind those mounts live in the trial's private `aux` folder; after each
 phase the driver copies what they hold into the trial's kept folder (`Sandbox.files`, laid out
 like Harbor's trial folder: `agent/`, `verifier/`, `artifacts/`, `steps/NAME/...`), reading
-only regular files, never through a link, each capped in size.
+only regular files, never through a link, each capped in size, and all of them capped per trial
+and per run in bytes and in files (`KeptCaps`); what a cap left out is said in the trial's notes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import io
 import json
 import math
@@ -22,6 +25,7 @@ import stat
 import tarfile
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -30,11 +34,83 @@ from ._protocols import Sandbox
 from ._sandbox import Mount
 from ._sandbox._process import CommandResult, Limits
 from ._sandbox._tools import read_untrusted
-from ._sandbox._workspace import copy_tree_safely
+from ._sandbox._workspace import capped_notes, copy_tree_safely, remove_tree, walk_tree
 
 REWARD_FILE_LIMIT = 64 * 1024  # bytes of a reward file the driver reads
 KEPT_FILE_LIMIT = 16 * 1024 * 1024  # bytes of any one file copied into the kept trial folder
-KEPT_TOTAL_LIMIT = 256 * 1024 * 1024  # bytes copied out of one folder
+KEPT_TOTAL_LIMIT = 256 * 1024 * 1024  # bytes of an artifacts snapshot extracted
+KEPT_DEPTH_LIMIT = 32  # folders deep a kept file may lie
+
+
+@dataclass(frozen=True)
+class KeptCaps:
+    """What the kept trial folders may hold: per file, per trial (every phase together) and per
+    run (every trial of it whose files go to one state folder). Folders count as files."""
+
+    file_bytes: int = KEPT_FILE_LIMIT
+    trial_bytes: int = 100 * 1024 * 1024
+    trial_files: int = 10_000
+    run_bytes: int = 4 * 1024 * 1024 * 1024
+    run_files: int = 200_000
+    depth: int = KEPT_DEPTH_LIMIT
+
+
+_LEDGER = ".kept-usage"  # in a run's kept folder: "bytes files", what its trials' kept files take
+
+
+@dataclass
+class KeptBudget:
+    """What one trial may still keep. The run's share is a ledger file in the run's kept folder,
+    read and written under its flock, so every driver and worker of the run on this machine
+    draws from the one budget; a replayed attempt's files, removed, stay counted (the budget errs
+    on the side of the disk)."""
+
+    caps: KeptCaps = field(default_factory=KeptCaps)
+    run_folder: Path | None = None
+    bytes_used: int = 0
+    files_used: int = 0
+
+    def take(self) -> tuple[int, int, str, str]:
+        """Reserve what this trial may still keep from the run's ledger: (bytes, files, which cap
+        bounds the bytes, which bounds the files)."""
+        want_b = max(0, self.caps.trial_bytes - self.bytes_used)
+        want_f = max(0, self.caps.trial_files - self.files_used)
+        if self.run_folder is None:
+            return want_b, want_f, "trial", "trial"
+        with self._ledger() as (run_b, run_f, write):
+            got_b = min(want_b, max(0, self.caps.run_bytes - run_b))
+            got_f = min(want_f, max(0, self.caps.run_files - run_f))
+            write(run_b + got_b, run_f + got_f)
+        return got_b, got_f, ("trial" if got_b == want_b else "run"), ("trial" if got_f == want_f else "run")
+
+    def settle(self, taken: tuple[int, int], used: tuple[int, int]) -> None:
+        """Count what was kept against the trial, and give the run back what was reserved unused."""
+        self.bytes_used += used[0]
+        self.files_used += used[1]
+        if self.run_folder is None or taken == used:
+            return
+        with self._ledger() as (run_b, run_f, write):
+            write(max(0, run_b - (taken[0] - used[0])), max(0, run_f - (taken[1] - used[1])))
+
+    @contextlib.contextmanager
+    def _ledger(self) -> Any:
+        assert self.run_folder is not None
+        self.run_folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_folder / _LEDGER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                b, f = (int(x) for x in os.pread(fd, 64, 0).split())
+            except ValueError:
+                b = f = 0
+
+            def write(new_b: int, new_f: int) -> None:
+                data = f"{new_b} {new_f}\n".encode()
+                os.pwrite(fd, data.ljust(64), 0)
+
+            yield b, f, write
+        finally:
+            os.close(fd)
 
 
 class TaskError(ValueError):
@@ -62,9 +138,7 @@ def chown_tree(root: Path, uid: int | None) -> None:
 
 def fresh_dir(path: Path, uid: int | None) -> Path:
     """An empty folder at `path` owned by the sandbox's uid (whatever was there is removed)."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)  # however deep the trial made it: no recursion
     path.mkdir(parents=True)
     if uid is not None:
         os.chown(path, uid, uid)
@@ -77,7 +151,7 @@ def copy_task_folder(source: Path, dest: Path, uid: int | None) -> list[str]:
     if source.is_symlink():
         raise TaskError(f"{source.name}: the task's folder is a link; it is not followed")
     incoming = dest.parent / f".incoming-{dest.name}"
-    shutil.rmtree(incoming, ignore_errors=True)
+    remove_tree(incoming)
     left_out = copy_tree_safely(source, incoming, uid)
     dest.mkdir(parents=True, exist_ok=True)
     for path in sorted(incoming.rglob("*")):
@@ -91,15 +165,12 @@ def copy_task_folder(source: Path, dest: Path, uid: int | None) -> list[str]:
             continue
         _remove(target)
         shutil.move(path, target)  # the working copy may be another filesystem (an overlay)
-    shutil.rmtree(incoming, ignore_errors=True)
+    remove_tree(incoming)
     return left_out
 
 
 def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
+    remove_tree(path)
 
 
 def renamed(name: str) -> str:
@@ -109,50 +180,62 @@ def renamed(name: str) -> str:
     return f"{stem}.from-task{dot}{suffix}"
 
 
-def keep_files(source: Path, dest: Path, reserved: Collection[str] = ()) -> list[str]:
+def keep_files(source: Path, dest: Path, budget: KeptBudget | None = None, reserved: Collection[str] = ()) -> list[str]:
     """Copy what a trial wrote under `source` into the kept folder `dest`: regular files and folders
-    only, no link followed, each file at most KEPT_FILE_LIMIT bytes; returns what was left out.
-    A top-level entry named in `reserved` (a file the driver writes there) is kept `renamed`."""
+    only, no link followed, each file at most `file_bytes`, all within the trial's and the run's
+    budget (bytes and files) and `depth` folders; returns what was left out, at most a few lines.
+    The walk is iterative and stops at the budget's file count: a trial's 200,000 files or 2,000
+    nested folders cost the host no more inodes than the cap, and no RecursionError. A top-level
+    entry named in `reserved` (a file the driver writes there) is kept `renamed`."""
+    budget = budget or KeptBudget()
+    caps = budget.caps
     left_out: list[str] = []
-    total = 0
     if not source.is_dir() or source.is_symlink():
         return left_out
 
-    def out(rel: Path) -> Path:
-        parts = rel.parts
-        if parts and parts[0] in reserved:
-            parts = (renamed(parts[0]), *parts[1:])
-        return dest.joinpath(*parts)
+    def out(rel: str) -> Path:
+        top, _, rest = rel.partition("/")
+        kept = dest / (renamed(top) if top in reserved else top)
+        return kept / rest if rest else kept
 
     dest.mkdir(parents=True, exist_ok=True)
-    for dirpath, dirnames, filenames in os.walk(source, followlinks=False):
-        rel = Path(dirpath).relative_to(source)
-        for name in sorted(dirnames):
-            if (Path(dirpath) / name).is_symlink():
-                left_out.append(str(rel / name) + " (a link)")
-            else:
-                out(rel / name).mkdir(parents=True, exist_ok=True)
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
+    max_b, max_f, bytes_cap, files_cap = budget.take()
+    used_b = used_f = 0
+    cut = f"over the {bytes_cap}'s cap of {caps.trial_bytes if bytes_cap == 'trial' else caps.run_bytes} kept bytes"
+    try:
+        walked = walk_tree(source, left_out, max_entries=max_f, max_depth=caps.depth)
+        for rel, entry, dir_fd in walked:
+            if entry.is_dir(follow_symlinks=False):
+                out(rel).mkdir(exist_ok=True)
+                used_f += 1
+                continue
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
             except OSError:
-                left_out.append(str(rel / name) + " (a link or unreadable)")
+                left_out.append(f"{rel} (a link or unreadable)")
                 continue
             try:
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode):
-                    left_out.append(str(rel / name) + " (not a regular file)")
+                    left_out.append(f"{rel} (not a regular file)")
                     continue
-                if info.st_size > KEPT_FILE_LIMIT or total + info.st_size > KEPT_TOTAL_LIMIT:
-                    left_out.append(str(rel / name) + f" ({info.st_size} bytes: over the limit)")
+                if info.st_size > caps.file_bytes:
+                    left_out.append(f"{rel} ({info.st_size} bytes: over the cap of {caps.file_bytes} for one file)")
                     continue
-                total += info.st_size
-                data = os.read(fd, KEPT_FILE_LIMIT)
+                if used_b + info.st_size > max_b:
+                    left_out.append(f"{rel} ({info.st_size} bytes: {cut})")
+                    continue
+                data = os.read(fd, caps.file_bytes)
             finally:
                 os.close(fd)
-            out(rel / name).write_bytes(data)
-    return left_out
+            out(rel).write_bytes(data)
+            used_b += len(data)
+            used_f += 1
+    finally:
+        budget.settle((max_b, max_f), (used_b, used_f))
+    cap_f = caps.trial_files if files_cap == "trial" else caps.run_files
+    whose = f"files and folders: the {files_cap}'s cap of {cap_f} kept files reached, the rest left out"
+    return capped_notes([n.replace("entries: the rest left out", whose) for n in left_out])
 
 
 def write_output(folder: Path, result: CommandResult | None, stdout: str, stderr: str) -> None:
@@ -164,11 +247,18 @@ def write_output(folder: Path, result: CommandResult | None, stdout: str, stderr
     (folder / stderr).write_text(result.stderr)
 
 
-def keep_phase(logs: Path, kept: Path, result: CommandResult | None, stdout: str, stderr: str) -> list[str]:
-    """A phase's files into its kept folder: what the trial wrote under `logs`, then the driver's
-    capture of its stdout and stderr under the names Harbor uses. Those names are the driver's:
-    a trial's own files of the same names are kept `renamed`, never in their place."""
-    left_out = keep_files(logs, kept, reserved=(stdout, stderr))
+def keep_phase(
+    logs: Path,
+    kept: Path,
+    result: CommandResult | None,
+    stdout: str,
+    stderr: str,
+    budget: KeptBudget | None = None,
+) -> list[str]:
+    """A phase's files into its kept folder: what the trial wrote under `logs` (within `budget`),
+    then the driver's capture of its stdout and stderr under the names Harbor uses. Those names
+    are the driver's: a trial's own files of the same names are kept `renamed`, never in their place."""
+    left_out = keep_files(logs, kept, budget, reserved=(stdout, stderr))
     write_output(kept, result, stdout, stderr)
     return left_out
 
@@ -348,12 +438,31 @@ class _CappedTarInfo(tarfile.TarInfo):
         return member
 
 
-def extract_artifacts(tar: Path, artifacts: Sequence[ArtifactConfig], dest: Path) -> list[str]:
+def extract_artifacts(
+    tar: Path, artifacts: Sequence[ArtifactConfig], dest: Path, budget: KeptBudget | None = None
+) -> list[str]:
     """Each declared artifact from the snapshot into `dest` at its destination (or its mirrored
-    source path): regular files and folders only, nothing outside `dest`. The tar is the trial's
-    own, so it is read as a plain tar (never decompressed), at most ARTIFACT_MEMBER_LIMIT entries
-    and KEPT_TOTAL_LIMIT bytes written; returns notes on what was left out (never raises for it)."""
+    source path): regular files and folders only, nothing outside `dest`, nothing more than
+    KEPT_DEPTH_LIMIT folders deep. The tar is the trial's own, so it is read as a plain tar (never
+    decompressed), at most ARTIFACT_MEMBER_LIMIT entries and KEPT_TOTAL_LIMIT bytes written, and
+    within `budget` when one is given (the kept folder's); returns notes on what was left out
+    (never raises for it)."""
     notes: list[str] = []
+    max_b, max_f = KEPT_TOTAL_LIMIT, ARTIFACT_MEMBER_LIMIT
+    if budget is not None:
+        max_b, max_f, _, _ = budget.take()
+    used = (0, 0)
+    try:
+        used = _extract(tar, artifacts, dest, notes, max_b, max_f)
+    finally:
+        if budget is not None:
+            budget.settle((max_b, max_f), used)
+    return notes
+
+
+def _extract(
+    tar: Path, artifacts: Sequence[ArtifactConfig], dest: Path, notes: list[str], max_b: int, max_f: int
+) -> tuple[int, int]:
     left_out = 0
 
     def leave_out(note: str) -> None:
@@ -365,8 +474,9 @@ def extract_artifacts(tar: Path, artifacts: Sequence[ArtifactConfig], dest: Path
     try:
         archive = tarfile.open(tar, "r:", tarinfo=_CappedTarInfo)
     except (OSError, tarfile.TarError) as e:
-        return [f"artifacts snapshot unreadable (not a plain tar): {e}"]
-    written = count = 0
+        notes.append(f"artifacts snapshot unreadable (not a plain tar): {e}")
+        return 0, 0
+    written = count = made = 0
     with archive:
         try:
             for m in archive:
@@ -378,6 +488,9 @@ def extract_artifacts(tar: Path, artifacts: Sequence[ArtifactConfig], dest: Path
                 if path.is_absolute() or ".." in path.parts:
                     leave_out(f"artifact entry {m.name!r}: absolute or '..' name")
                     continue
+                if len(path.parts) > KEPT_DEPTH_LIMIT:
+                    leave_out(f"artifact entry {m.name[:200]!r}...: more than {KEPT_DEPTH_LIMIT} folders deep")
+                    continue
                 name = "" if str(path) == "." else str(path)
                 for art in artifacts:
                     src = art.source.lstrip("/")
@@ -386,8 +499,11 @@ def extract_artifacts(tar: Path, artifacts: Sequence[ArtifactConfig], dest: Path
                     if not (m.isfile() or m.isdir()):
                         leave_out(f"artifact {name}: not a regular file or folder")
                         continue
-                    if m.size > KEPT_FILE_LIMIT or written + m.size > KEPT_TOTAL_LIMIT:
+                    if m.size > KEPT_FILE_LIMIT or written + m.size > max_b:
                         leave_out(f"artifact {name}: over the size limit")
+                        continue
+                    if made >= max_f:
+                        leave_out(f"artifact {name}: over the cap of kept files")
                         continue
                     rel = (
                         PurePosixPath(art.target) / PurePosixPath(name).relative_to(src)
@@ -398,13 +514,14 @@ def extract_artifacts(tar: Path, artifacts: Sequence[ArtifactConfig], dest: Path
                         continue
                     try:
                         written += _extract_one(archive, m, dest / rel)
+                        made += 1
                     except (OSError, tarfile.TarError) as e:
                         leave_out(f"artifact {name}: {getattr(e, 'strerror', None) or e}")
         except tarfile.TarError as e:
             notes.append(f"artifacts snapshot unreadable after {count} entries: {e}")
     if left_out > NOTES_LIMIT:
         notes.append(f"... and {left_out - NOTES_LIMIT} more artifact entries left out")
-    return notes
+    return written, made
 
 
 def _extract_one(archive: tarfile.TarFile, member: tarfile.TarInfo, out: Path) -> int:

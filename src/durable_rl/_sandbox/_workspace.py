@@ -28,11 +28,11 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .._procs import pid_alive
 from ._bwrap import private_folder
@@ -79,46 +79,159 @@ def publish_snapshot(source: Path, snapshots_dir: Path) -> tuple[Path, str]:
     return root, content
 
 
-def copy_tree_safely(source: Path, dest: Path, owner_uid: int | None = None) -> list[str]:
+# What one walk of a folder a trial or a task's author made may visit: a bound on the host's
+# inodes and time a copy takes, and on the open folders a walk holds (one per level).
+MAX_TREE_ENTRIES = 100_000
+MAX_TREE_DEPTH = 64
+NOTES_LIMIT = 20  # lines on what a copy left out, then one for the rest
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def walk_tree(
+    root: Path | str, notes: list[str], *, max_entries: int = MAX_TREE_ENTRIES, max_depth: int = MAX_TREE_DEPTH
+) -> Iterator[tuple[str, os.DirEntry[str], int]]:
+    """Every entry under `root`, each folder before what it holds: (its path relative to `root`,
+    its entry, the descriptor of the folder it is in). Iterative, so no depth reaches Python's
+    recursion limit; every folder opened by its descriptor without following a link, so a link
+    swapped in is never entered. A folder `max_depth` levels down is given but not entered, and
+    the walk ends after `max_entries` entries; each cut is said in `notes`."""
+    top = os.open(root, _DIR_FLAGS)
+    stack: list[tuple[int, Any, str, int]] = [(top, os.scandir(top), "", 1)]  # its fd, its entries, where, depth
+    count = 0
+    try:
+        while stack:
+            fd, entries, rel, depth = stack[-1]
+            entry = next(entries, None)
+            if entry is None:
+                stack.pop()
+                entries.close()
+                os.close(fd)
+                continue
+            if count >= max_entries:
+                notes.append(f"more than {max_entries} entries: the rest left out")
+                return
+            count += 1
+            path = f"{rel}/{entry.name}" if rel else entry.name
+            yield path, entry, fd
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if depth >= max_depth:
+                notes.append(f"{path}: what lies more than {max_depth} folders deep left out")
+                continue
+            try:
+                sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:  # made a link or removed since it was listed
+                notes.append(f"{path}: {e.strerror}")
+                continue
+            stack.append((sub, os.scandir(sub), path, depth + 1))
+    finally:
+        for fd, entries, *_ in stack:
+            entries.close()
+            os.close(fd)
+
+
+def capped_notes(notes: list[str]) -> list[str]:
+    """At most NOTES_LIMIT lines, then one that says how many more there were."""
+    if len(notes) <= NOTES_LIMIT:
+        return notes
+    return [*notes[:NOTES_LIMIT], f"... and {len(notes) - NOTES_LIMIT} more left out"]
+
+
+def remove_tree(path: Path | str) -> bool:
+    """`shutil.rmtree` without its recursion (a trial's 2,000 nested folders raise RecursionError
+    there) and without following a link: one folder descriptor open at a time, climbing back by
+    `..`. Best effort, as rmtree's `ignore_errors`: False when something could not be removed."""
+    try:
+        cur = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        return True
+    except OSError:  # a link or a file: removed itself, never what it points to
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    names: list[str] = []
+    try:
+        while True:
+            sub = None
+            with os.scandir(cur) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        sub = sub or entry.name
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.name, dir_fd=cur)
+            if sub is not None:
+                down = os.open(sub, _DIR_FLAGS, dir_fd=cur)
+                os.close(cur)
+                cur = down
+                names.append(sub)
+                continue
+            if not names:
+                break
+            up = os.open("..", _DIR_FLAGS & ~os.O_NOFOLLOW, dir_fd=cur)
+            os.close(cur)
+            cur = up
+            os.rmdir(names.pop(), dir_fd=cur)
+    except OSError:
+        return False
+    finally:
+        os.close(cur)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def copy_tree_safely(
+    source: Path,
+    dest: Path,
+    owner_uid: int | None = None,
+    *,
+    max_entries: int = MAX_TREE_ENTRIES,
+    max_depth: int = MAX_TREE_DEPTH,
+) -> list[str]:
     """Copy a folder an untrusted author made (a task's tests or solution) without following a
     link: `dest` must not exist yet (a trial may have planted a link there); folders and regular
-    files are copied, a symlink is kept only when it is relative and
-    stays inside `source`, FIFOs, sockets and devices are left out. Everything copied is owned by
-    `owner_uid` (links included, never their targets). Returns one line per entry left out."""
+    files are copied, a symlink is kept only when it is relative and stays inside `source`, FIFOs,
+    sockets and devices are left out, and so is what lies past `max_entries` entries or
+    `max_depth` folders down. Everything copied is owned by `owner_uid` (links included, never
+    their targets). Returns what was left out (at most NOTES_LIMIT lines and one for the rest)."""
     left_out: list[str] = []
     root = os.path.abspath(source)
     if stat.S_ISLNK(os.lstat(root).st_mode):
         raise ValueError(f"{source} is a link: a folder is copied only when it is one itself")
-
-    def walk(src: str, dst: Path) -> None:
-        dst.mkdir()  # never into a folder (or a link to one) that a trial made first
-        for entry in os.scandir(src):
-            target = dst / entry.name
-            rel = os.path.relpath(entry.path, root)
-            if entry.is_symlink():
-                link = os.readlink(entry.path)
-                lexical = os.path.normpath(os.path.join(os.path.dirname(entry.path), link))
-                if os.path.isabs(link) or not (lexical == root or lexical.startswith(root + os.sep)):
-                    left_out.append(f"{rel}: a symlink that leads out of the folder")
-                    continue
-                os.symlink(link, target)
-            elif entry.is_dir(follow_symlinks=False):
-                walk(entry.path, target)
-            elif entry.is_file(follow_symlinks=False):
-                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-                with os.fdopen(fd, "rb") as f_in, open(target, "xb") as f_out:
-                    shutil.copyfileobj(f_in, f_out)
-                target.chmod(0o755 if entry.stat(follow_symlinks=False).st_mode & 0o111 else 0o644)
-            else:
-                left_out.append(f"{rel}: not a regular file, folder or symlink")
+    dest.mkdir()  # never into a folder (or a link to one) that a trial made first
+    made = [dest]
+    for rel, entry, dir_fd in walk_tree(root, left_out, max_entries=max_entries, max_depth=max_depth):
+        target = dest / rel
+        if entry.is_symlink():
+            link = os.readlink(entry.name, dir_fd=dir_fd)
+            lexical = os.path.normpath(os.path.join(root, os.path.dirname(rel), link))
+            if os.path.isabs(link) or not (lexical == root or lexical.startswith(root + os.sep)):
+                left_out.append(f"{rel}: a symlink that leads out of the folder")
                 continue
-            if owner_uid is not None:
-                os.chown(target, owner_uid, owner_uid, follow_symlinks=False)
+            os.symlink(link, target)
+        elif entry.is_dir(follow_symlinks=False):
+            target.mkdir()
+            made.append(target)
+            continue  # owned below, once what it holds is in
+        elif entry.is_file(follow_symlinks=False):
+            fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            with os.fdopen(fd, "rb") as f_in, open(target, "xb") as f_out:
+                shutil.copyfileobj(f_in, f_out)
+            target.chmod(0o755 if entry.stat(follow_symlinks=False).st_mode & 0o111 else 0o644)
+        else:
+            left_out.append(f"{rel}: not a regular file, folder or symlink")
+            continue
         if owner_uid is not None:
-            os.chown(dst, owner_uid, owner_uid, follow_symlinks=False)
-
-    walk(root, dest)
-    return left_out
+            os.chown(target, owner_uid, owner_uid, follow_symlinks=False)
+    if owner_uid is not None:
+        for folder in made:
+            os.chown(folder, owner_uid, owner_uid, follow_symlinks=False)
+    return capped_notes(left_out)
 
 
 @functools.cache
@@ -333,7 +446,7 @@ def _remove_once_made(made: Future[tuple[Path, Method]], trial_dir: Path) -> Non
 def _remove(trial_dir: Path) -> None:
     for mount in (trial_dir / "merged", trial_dir / "aux" / "logs", trial_dir / "layer", trial_dir):
         _unmount_if_mounted(mount)  # the tmpfses last, inner first: everything on them goes with them
-    shutil.rmtree(trial_dir, ignore_errors=True)
+    remove_tree(trial_dir)  # a copy on disk (no tmpfs) may hold a trial's thousands of nested folders
 
 
 def _unmount_if_mounted(path: Path) -> None:
