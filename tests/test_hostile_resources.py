@@ -5,6 +5,7 @@ uids. Checked from the host: `df` and inode counts, `flock` on the uid locks, `/
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -292,3 +293,99 @@ def test_a_task_folder_2000_folders_deep_is_copied_to_the_cap_without_recursion(
     finally:
         assert remove_tree(source)  # nor in removing it (shutil.rmtree raises RecursionError here)
     assert not source.exists()
+
+
+@pytest.fixture
+def small_state(tmp_path: Path) -> Iterator[Cli]:
+    """A Cli whose state folder is a 300 MiB file system of its own (a tmpfs this test mounts)."""
+    fs = tmp_path / "state-fs"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300m,mode=0755", "tmpfs", str(fs)], check=True)
+    try:
+        yield Cli(tmp_path, f"sqlite:///{fs / 'state.sqlite'}")
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+BIG = "for i in 1 2 3 4 5 6 7 8; do head -c 15000000 /dev/zero > /logs/agent/big-$i; done\ntouch ok.txt\n{after}"
+
+
+def _kept_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _fill(fs: Path) -> Path:
+    """Take every free block of `fs` with one file, from the host."""
+    filler = fs / "filler"
+    with open(filler, "wb") as f:
+        chunk = b"\0" * MB
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(chunk)
+                f.flush()
+    assert FreeSpace.free(fs) < MB
+    return filler
+
+
+def test_kept_files_are_capped_per_trial_and_per_run_and_a_full_state_disk_stops_the_run_resumably(
+    small_state: Cli, tmp_path: Path
+) -> None:
+    cli = small_state
+    fs = tmp_path / "state-fs"
+    tasks = tmp_path / "tasks"
+    for name in ("big-a", "big-b"):  # each writes 8 x 15 MB to /logs/agent, within its own quota
+        _task(tasks, name, BIG.format(after=""), test=HONEST[1], agent_s=60)
+    run = cli.run("train", "--run-id", "caps", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1",
+                  "--set", "env.kept_run_mb=150")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    trials = _trials(cli, "caps")
+    kept = {name: _kept_bytes(fs / "trial-files" / "caps" / t["trial_id"]) for name, t in trials.items()}
+    # the trial's cap (100 MiB by default: 6 of its 8 files) and the run's (150 MiB for both)
+    assert all(k <= 100 * MB for k in kept.values()) and sum(kept.values()) <= 150 * MB, kept
+    notes = [n for t in trials.values() for n in _trajectory(cli, t)["verdict"]["details"]["notes"]]
+    assert any("over the trial's cap of 104857600 kept bytes" in n for n in notes), notes
+    assert any("over the run's cap of 157286400 kept bytes" in n for n in notes), notes
+    assert all(t["reward"] == 1.0 for t in trials.values()), trials
+
+    # the disk fills while a trial runs: the run stops with one line, its record resumable
+    slow = tmp_path / "slow"
+    _task(slow, "slow", BIG.format(after="sleep 1000\n").replace("1 2 3 4 5 6 7 8", "1"), test=HONEST[1], agent_s=8)
+    driver = cli.popen("train", "--run-id", "full", "--tasks", str(slow), "--n-steps", "2", "--n-samples", "1")
+    deadline = time.monotonic() + 60
+    while not _sleepers():
+        assert time.monotonic() < deadline and driver.poll() is None
+        time.sleep(0.1)
+    filler = _fill(fs)
+    _, err = driver.communicate(timeout=120)
+    assert driver.returncode != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "disk is full" in lines[0], err  # the kept files' write, or the record's
+    assert "durable-rl resume full" in lines[0]
+    # resumed while the disk is still full: the same one line, no traceback
+    again = cli.run("resume", "full", timeout=120)
+    assert again.returncode != 0 and "Traceback" not in again.stderr, again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+    # space freed: resume finishes the run
+    filler.unlink()
+    done = cli.run("resume", "full", timeout=200)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    summary = cli.json("show", "full")
+    assert summary["status"] == "succeeded" and len(summary["steps"]) == 2, summary
+    assert all(t["reward"] == 1.0 for t in _trials(cli, "full").values())
+
+
+def test_a_kept_file_that_finds_the_state_disk_full_stops_the_run_rather_than_failing_the_trial(tmp_path: Path) -> None:
+    from durable_rl._errors import StateStorageFull
+    from durable_rl._harbor_trial import keep_files
+
+    source, fs = tmp_path / "agent", tmp_path / "fs"
+    source.mkdir()
+    (source / "log").write_bytes(b"x" * (2 * MB))
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs)], check=True)
+    try:
+        with pytest.raises(StateStorageFull, match="state folder's disk is full"):
+            keep_files(source, fs / "kept")
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)

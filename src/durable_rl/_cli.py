@@ -147,7 +147,8 @@ def _supervise_and_report(
         report: Path | str = _write_report(store, run_id)
     except OSError as e:  # a full or read-only state folder: the run's record says the rest
         report = f"not written ({e.strerror or e})"
-        print(f"durable-rl: warning: the report was not written: {e.strerror or e}", file=sys.stderr)
+        if ok:  # else the driver's one line said why the run stopped, and this is why too
+            print(f"durable-rl: warning: the report was not written: {e.strerror or e}", file=sys.stderr)
     if as_json:
         print(json.dumps(summary))
     else:

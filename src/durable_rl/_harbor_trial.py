@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import io
 import json
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ._errors import StateStorageFull
 from ._harbor_config import ArtifactConfig, EnvironmentConfig, HealthcheckConfig, NetworkMode
 from ._protocols import Sandbox
 from ._sandbox import Mount
@@ -180,7 +182,26 @@ def renamed(name: str) -> str:
     return f"{stem}.from-task{dot}{suffix}"
 
 
+@contextlib.contextmanager
+def _on_state_disk(dest: Path) -> Any:
+    """A write into the kept folder that finds the state disk full raises StateStorageFull: the
+    run stops (resumable), and the trial is not failed for what is no fault of its own."""
+    try:
+        yield
+    except OSError as e:
+        full = StateStorageFull.check(e, f"keeping trial files in {dest}")
+        if full is e:
+            raise
+        raise full from e
+
+
 def keep_files(source: Path, dest: Path, budget: KeptBudget | None = None, reserved: Collection[str] = ()) -> list[str]:
+    """`_keep_files` (see there), a full state disk raised as StateStorageFull."""
+    with _on_state_disk(dest):
+        return _keep_files(source, dest, budget, reserved)
+
+
+def _keep_files(source: Path, dest: Path, budget: KeptBudget | None, reserved: Collection[str]) -> list[str]:
     """Copy what a trial wrote under `source` into the kept folder `dest`: regular files and folders
     only, no link followed, each file at most `file_bytes`, all within the trial's and the run's
     budget (bytes and files) and `depth` folders; returns what was left out, at most a few lines.
@@ -240,11 +261,12 @@ def keep_files(source: Path, dest: Path, budget: KeptBudget | None = None, reser
 
 def write_output(folder: Path, result: CommandResult | None, stdout: str, stderr: str) -> None:
     """A phase's stdout and stderr, kept as Harbor keeps them (kept even when the phase failed)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if result is None:
-        return
-    (folder / stdout).write_text(result.stdout)
-    (folder / stderr).write_text(result.stderr)
+    with _on_state_disk(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        if result is None:
+            return
+        (folder / stdout).write_text(result.stdout)
+        (folder / stderr).write_text(result.stderr)
 
 
 def keep_phase(
@@ -453,7 +475,8 @@ def extract_artifacts(
         max_b, max_f, _, _ = budget.take()
     used = (0, 0)
     try:
-        used = _extract(tar, artifacts, dest, notes, max_b, max_f)
+        with _on_state_disk(dest):
+            used = _extract(tar, artifacts, dest, notes, max_b, max_f)
     finally:
         if budget is not None:
             budget.settle((max_b, max_f), used)
@@ -516,6 +539,8 @@ def _extract(
                         written += _extract_one(archive, m, dest / rel)
                         made += 1
                     except (OSError, tarfile.TarError) as e:
+                        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                            raise  # the disk's fault, not the artifact's
                         leave_out(f"artifact {name}: {getattr(e, 'strerror', None) or e}")
         except tarfile.TarError as e:
             notes.append(f"artifacts snapshot unreadable after {count} entries: {e}")

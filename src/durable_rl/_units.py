@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from ._errors import StateStorageFull
 from ._models import Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
 from ._protocols import Agent, Environment, Judge, JudgeContext, Sandbox, TrainContext, Trainer, TrialContext
 from ._sandbox._process import Limits
@@ -88,7 +89,13 @@ def _files_folder(ctx: TrialContext, spec: TrialSpec) -> Path:
     """Where one attempt of a trial keeps its files after it ends (under the state folder)."""
     folder = ctx.state_dir / "trial-files" / ctx.run_id / spec.trial_id / f"attempt-{ctx.attempt}"
     shutil.rmtree(folder, ignore_errors=True)  # a replayed attempt starts clean
-    folder.mkdir(parents=True)
+    try:
+        folder.mkdir(parents=True)
+    except OSError as e:
+        full = StateStorageFull.check(e, f"making {folder}")
+        if full is e:
+            raise
+        raise full from e
     return folder
 
 

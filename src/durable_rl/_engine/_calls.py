@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from .. import _units as units
 from .._config import RunConfig, UnitName
+from .._errors import StateStorageFull
 from .._faults import Faults, around_judgment, around_trial, crash_after_train
 from .._identity import identity
 from .._llm import FAILURES, ChatResult, root_cause
@@ -371,6 +372,8 @@ async def execute_attempt(
         error = f"TimeoutError: attempt {attempt} passed its {timeout:g} s deadline and was cancelled"
         if failures:
             error += f"; it was retrying through: {failures[-1]}"
+    except StateStorageFull:  # no fault of the unit's: the run stops, resumable, and this attempt runs again
+        raise
     except Exception as e:  # any failure of the unit's own code fails this attempt only
         error = describe_failure(e)
     else:

@@ -38,6 +38,10 @@ def _gone_line(run_id: str, gone: str) -> str:
     return f"run {run_id} stopped: {gone} while the run used it; what it did since is in no record"
 
 
+def _storage_line(run_id: str, fault: str) -> str:
+    return f"run {run_id} stopped: {fault}; then `durable-rl resume {run_id}` finishes it"
+
+
 def _exit_on_lost(line: str) -> None:
     """The driver process's answer to a lost database: say so and stop now (the engine's
     threads would only retry and complain); a restart resumes from the record."""
@@ -88,6 +92,10 @@ def _renew_lease_while_alive(
                     taken(f"run {run_id} stopped here: its lease lapsed and {holder} took it over and drives it now")
                     return
             except Exception as e:
+                fault = storage_fault(e)
+                if fault is not None:  # a full disk: every write of the run fails alike, so stop now
+                    on_lost(_storage_line(run_id, fault))
+                    return
                 why = connection_lost(e)
                 if why is None:  # a database hiccup: the next renewal tries again
                     print(f"renewing the lease of {run_id} failed: {e}", file=sys.stderr)
@@ -148,7 +156,7 @@ def drive_to_end(run_id: str, url: str, store: Store, run: Awaitable[None]) -> i
             return EXIT_STORAGE
         fault = storage_fault(e)
         if fault is not None:  # nothing is lost: the record is as the last commit left it
-            print(f"run {run_id} stopped: {fault}; then `durable-rl resume {run_id}` finishes it", file=sys.stderr)
+            print(_storage_line(run_id, fault), file=sys.stderr)
             return EXIT_STORAGE
         faults.release()
         print(f"run {run_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -166,8 +174,20 @@ def drive_to_end(run_id: str, url: str, store: Store, run: Awaitable[None]) -> i
 
 
 def main(argv: list[str]) -> int:
-    run_id, url = argv[0], os.environ["DURABLE_RL_DB"]
+    """The driver's life, a state disk found full before the run starts said in one line."""
+    run_id = argv[0]
     guard_standard_streams()  # its lines and logs carry trials' errors: text only, to the terminal
+    try:
+        return _main(run_id, os.environ["DURABLE_RL_DB"])
+    except Exception as e:
+        fault = storage_fault(e)
+        if fault is None:
+            raise
+        print(_storage_line(run_id, fault), file=sys.stderr, flush=True)
+        return EXIT_STORAGE
+
+
+def _main(run_id: str, url: str) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     store = Store(url)
     holder = store.take_lease(run_id, LEASE_S)
