@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import Cli, leftover_copies
-from test_hostile import REWARD, _in_sandbox_range, _sleepers, _task
+from test_hostile import REWARD, _in_sandbox_range, _task
 
 from durable_rl._engine._store import Store
 from durable_rl._sandbox._uids import processes_of
@@ -165,6 +165,11 @@ def _helpers_of(cli_pid: int) -> list[int]:
     ]
 
 
+def _sleepers_of(cli_pid: int) -> list[int]:
+    """The trials' `sleep 1000` processes under this CLI (other runs on the machine sleep too)."""
+    return [p for p in _descendants(cli_pid) if _cmdline(p) == b"sleep\x001000\x00" and _in_sandbox_range(p)]
+
+
 def _flock_free(uid: int) -> bool:
     """True when `flock -n` on the uid's lease file gets the lock, from the host."""
     lease = f"/run/durable-rl/uids/{uid}"
@@ -181,7 +186,7 @@ def test_a_killed_sandbox_helper_stops_its_trials_and_never_frees_a_uid_a_proces
     violations: list[tuple[int, list[int]]] = []
     try:
         deadline = time.monotonic() + 120
-        while len(sleepers := _sleepers()) < 3:
+        while len(sleepers := _sleepers_of(driver.pid)) < 3:
             assert time.monotonic() < deadline and driver.poll() is None, driver.stderr.read() if driver.stderr else ""
             time.sleep(0.1)
         uids = {os.stat(f"/proc/{pid}").st_uid for pid in sleepers}
@@ -352,7 +357,7 @@ def test_kept_files_are_capped_per_trial_and_per_run_and_a_full_state_disk_stops
     _task(slow, "slow", BIG.format(after="sleep 1000\n").replace("1 2 3 4 5 6 7 8", "1"), test=HONEST[1], agent_s=8)
     driver = cli.popen("train", "--run-id", "full", "--tasks", str(slow), "--n-steps", "2", "--n-samples", "1")
     deadline = time.monotonic() + 60
-    while not _sleepers():
+    while not _sleepers_of(driver.pid):
         assert time.monotonic() < deadline and driver.poll() is None
         time.sleep(0.1)
     filler = _fill(fs)
