@@ -276,14 +276,11 @@ def test_200000_files_and_2000_nested_folders_keep_no_more_than_the_cap_and_rais
     assert len([n for n in notes if n.startswith("kept files:")]) <= 21, notes  # a few lines, not 190,000
 
 
-def test_a_task_folder_2000_folders_deep_is_copied_to_the_cap_without_recursion(tmp_path: Path) -> None:
-    from durable_rl._harbor_trial import copy_task_folder
-
-    source = tmp_path / "tests"
-    source.mkdir()
-    fd = os.open(source, os.O_RDONLY)
+def _nest(folder: Path, levels: int) -> None:
+    """`levels` folders one in another under `folder`, by descriptor (the path would pass PATH_MAX)."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        for _ in range(2000):  # by descriptor: the path would pass PATH_MAX
+        for _ in range(levels):
             os.mkdir("d", dir_fd=fd)
             down = os.open("d", os.O_RDONLY, dir_fd=fd)
             os.close(fd)
@@ -291,6 +288,14 @@ def test_a_task_folder_2000_folders_deep_is_copied_to_the_cap_without_recursion(
         os.close(os.open("bottom", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
     finally:
         os.close(fd)
+
+
+def test_a_task_folder_2000_folders_deep_is_copied_to_the_cap_without_recursion(tmp_path: Path) -> None:
+    from durable_rl._harbor_trial import copy_task_folder
+
+    source = tmp_path / "tests"
+    source.mkdir()
+    _nest(source, 2000)
     try:
         left_out = copy_task_folder(source, tmp_path / "dest", None)
         assert any("64 folders deep left out" in n for n in left_out), left_out
@@ -394,3 +399,20 @@ def test_a_kept_file_that_finds_the_state_disk_full_stops_the_run_rather_than_fa
             keep_files(source, fs / "kept")
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_a_task_whose_tests_are_2000_folders_deep_is_skipped_with_one_line_and_the_others_run(
+    cli: Cli, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks"
+    deep = _task(tasks, "deep", *HONEST)
+    _task(tasks, "honest", *HONEST)
+    _nest(deep / "tests", 2000)  # hashing the task (its identity) walked it by recursion
+    try:
+        proc = cli.run("train", "--run-id", "deep", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
+    finally:
+        assert remove_tree(deep / "tests")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr
+    assert "task deep skipped: deep: tests/d/d" in proc.stderr and "more than 64 folders deep" in proc.stderr
+    assert [t["reward"] for t in cli.json("show", "deep", "--trials")] == [1.0]  # the honest task ran

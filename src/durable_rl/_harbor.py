@@ -135,15 +135,21 @@ def load_task(folder: Path, pass_env: tuple[str, ...] = ()) -> HarborTask:
     notes = _check_runnable(folder, config, pass_env)
     notes += [f"{key}: not a Harbor task.toml field (ignored, as Harbor ignores it)" for key in unknown_keys(raw)]
     solution = folder / "solution"
+    try:  # a folder too deep to hash is the task's fault: the task is skipped with the reason
+        hashes = {
+            "environment_sha256": content_hash(folder / "environment"),
+            "tests_sha256": content_hash(folder / "tests") if (folder / "tests").is_dir() else "",
+            "solution_sha256": content_hash(solution) if (solution / "solve.sh").exists() else None,
+            "steps_sha256": content_hash(folder / "steps") if steps else None,
+        }
+    except ValueError as e:
+        raise TaskError(f"{folder.name}: {e}") from None
     return HarborTask(
         name=folder.name,
         path=str(folder),
         instruction=instruction,
         config=config,
-        environment_sha256=content_hash(folder / "environment"),
-        tests_sha256=content_hash(folder / "tests") if (folder / "tests").is_dir() else "",
-        solution_sha256=content_hash(solution) if (solution / "solve.sh").exists() else None,
-        steps_sha256=content_hash(folder / "steps") if steps else None,
+        **hashes,
         dockerfile=(folder / "environment" / "Dockerfile").is_file(),
         notes=notes,
     )

@@ -25,6 +25,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -47,9 +48,21 @@ _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 2, 4, 32, 4096
 
 
 def content_hash(root: Path) -> str:
-    """sha256 over every file's relative path, executable bit and bytes, in sorted order."""
+    """sha256 over every file's relative path, executable bit and bytes, in sorted order (links by
+    their target; folders are not entered through a link). A ValueError for a folder more than
+    MAX_TREE_DEPTH folders deep: walked iteratively, never into Python's recursion limit."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink()):
+    if not root.is_dir():
+        return digest.hexdigest()
+    cut: list[str] = []
+    found = [
+        rel
+        for rel, entry, _ in walk_tree(os.path.realpath(root), cut, max_entries=sys.maxsize)
+        if entry.is_symlink() or entry.is_file(follow_symlinks=False)
+    ]
+    if cut:  # a hash of part of the folder would name content it is not
+        raise ValueError(f"{root.name}/{cut[0].split(':')[0]} lies more than {MAX_TREE_DEPTH} folders deep")
+    for path in sorted((root / rel for rel in found), key=lambda p: p.parts):  # as Path objects sort
         rel = os.fsencode(path.relative_to(root).as_posix())  # a name's bytes, UTF-8 or not
         if path.is_symlink():
             digest.update(b"L\x00" + rel + b"\x00" + os.fsencode(os.readlink(path)) + b"\x00")
