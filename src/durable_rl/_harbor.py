@@ -22,6 +22,7 @@ import asyncio
 import functools
 import os
 import shutil
+import sys
 import tomllib
 import weakref
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from ._protocols import Agent, Environment, PluginSettings, Sandbox, TrialContex
 from ._sandbox import Mount, SandboxRefused
 from ._sandbox._process import CommandResult, Limits, run_command
 from ._sandbox._tools import read_untrusted
-from ._sandbox._workspace import content_hash
+from ._sandbox._workspace import content_hash, walk_tree
 
 __all__ = ["Harbor", "HarborTask", "NopAgent", "OracleAgent", "TaskError", "VerificationFailed", "read_rewards"]
 
@@ -894,15 +895,16 @@ def _copy_tree_as(source: Path, base: Path, rel: str, uid: int | None) -> None:
     if not source.is_dir():
         return
     _make_dir_as(dest, uid)
-    for top, dirs, files in os.walk(source):  # never into a linked folder
-        out = dest / Path(top).relative_to(source)
-        for name in dirs:
-            if (Path(top) / name).is_symlink():
-                _write_as(Path(top) / name, out / name, uid)
-            else:
-                _make_dir_as(out / name, uid)
-        for name in files:
-            _write_as(Path(top) / name, out / name, uid)
+    cut: list[str] = []
+    # iterative, never into a linked folder; as many files as the image or the world holds (their
+    # own caps bound them), but no deeper than walk_tree's MAX_TREE_DEPTH
+    for inner, entry, _ in walk_tree(source, cut, max_entries=sys.maxsize):
+        if entry.is_dir(follow_symlinks=False):
+            _make_dir_as(dest / inner, uid)
+        else:
+            _write_as(source / inner, dest / inner, uid)
+    if cut:  # a RUN line or a trial made it too deep: the trial fails with the reason
+        raise TaskError(f"{rel or source.name}: {cut[0]}")
 
 
 def _own(path: Path, uid: int | None) -> None:
