@@ -51,6 +51,7 @@ from ._harbor_trial import TaskError, VerificationFailed, read_rewards, scalar_r
 from ._models import AgentTurn, Prompt, ToolCall, Trajectory, TrialSpec, Verdict, Weights, _Frozen
 from ._protocols import Agent, Environment, PluginSettings, Sandbox, TrialContext
 from ._sandbox import Mount, SandboxRefused
+from ._sandbox._egress import parse_allowlist
 from ._sandbox._process import CommandResult, Limits, run_command
 from ._sandbox._tools import read_untrusted
 from ._sandbox._workspace import content_hash
@@ -212,10 +213,6 @@ def _check_runnable(folder: Path, config: TaskConfig, pass_env: tuple[str, ...] 
         for hook in config.verifier_for(step).collect:
             if hook.service != "main":
                 notes.append(f"verifier.collect on service {hook.service!r}: compose services are not supported here")
-    for mode in (env.network()[0], config.agent.network_mode, config.verifier.network_mode):
-        if mode is not None and mode.value == "allowlist":
-            notes.append("network allowlist: hosts are not filtered here; the phase runs with no network")
-            break
     return notes
 
 
@@ -428,6 +425,17 @@ class HarborSettings(PluginSettings):
         description="The most disk the cached images' layers may take together, in MiB (the base system aside):"
         " a new image evicts the least recently used ones past it, never one a live trial uses.",
     )
+    allow_hosts: list[str] = Field(
+        default_factory=list,
+        description="What every network-on trial may reach besides public destinations, even a private or"
+        " host address (e.g. a model server): host names, addresses, CIDRs, '*.suffix'. None by default.",
+    )
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _hosts(cls, hosts: list[str]) -> list[str]:
+        parse_allowlist(hosts)  # a ValueError names the first entry that is none of those
+        return [h.strip() for h in hosts]
 
     @field_validator("path")
     @classmethod
@@ -544,8 +552,11 @@ class Harbor(Environment):
             logs = sandbox.aux / "logs" / "verifier"
             sandbox.mounts.append(Mount(source=logs, target="/logs/verifier", writable=True))
         sandbox.env.update(rt.env)
-        network, _ = trial.phase_network(task.config.agent.network_mode, task.config.environment)
-        sandbox.limits = trial.limits_for(task.config.environment, task.config.agent.timeout_sec or 600.0, network)
+        agent = task.config.agent
+        network = trial.phase_network(
+            agent.network_mode, agent.allowed_hosts, task.config.environment, self.settings.allow_hosts
+        )
+        sandbox.limits = trial.limits_for(task.config.environment, agent.timeout_sec or 600.0, network)
         sandbox.tools.limits = sandbox.limits
         check = task.config.environment.healthcheck
         if check is not None:
@@ -626,8 +637,11 @@ class Harbor(Environment):
         env = expand_env(verifier.env, self.settings.pass_env)
         logs = sandbox.aux / "logs" / "verifier"
         await asyncio.to_thread(trial.fresh_dir, logs, sandbox.uid)  # the agent cannot plant a reward
-        network, _ = trial.phase_network(
-            None if separate is not None else verifier.network_mode, separate or config.environment
+        network = trial.phase_network(
+            None if separate is not None else verifier.network_mode,
+            verifier.allowed_hosts,
+            separate or config.environment,
+            self.settings.allow_hosts,
         )
         limits = trial.limits_for(separate or config.environment, verifier.timeout_sec, network)
         mounts = [
@@ -747,12 +761,17 @@ class Harbor(Environment):
                         break
             if step.healthcheck is not None:
                 try:
-                    await trial.healthcheck(sandbox, step.healthcheck, sandbox.limits.network, rt.user_id(None))
+                    now = trial.PhaseNetwork(
+                        sandbox.limits.network, sandbox.limits.public_network, sandbox.limits.allowed_hosts
+                    )
+                    await trial.healthcheck(sandbox, step.healthcheck, now, rt.user_id(None))
                 except TaskError as e:
                     result["error"] = str(e)
                     break
             agent_cfg = task.config.agent_for(step)
-            network, _ = trial.phase_network(agent_cfg.network_mode, task.config.environment)
+            network = trial.phase_network(
+                agent_cfg.network_mode, agent_cfg.allowed_hosts, task.config.environment, self.settings.allow_hosts
+            )
             limits = trial.limits_for(task.config.environment, agent_cfg.timeout_sec or 600.0, network)
             await asyncio.to_thread(trial.fresh_dir, sandbox.aux / "logs" / "agent", sandbox.uid)
             ran_agent = await act(step, _read(folder / "instruction.md"), limits)

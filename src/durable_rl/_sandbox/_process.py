@@ -4,8 +4,9 @@ The command runs as `prlimit` (CPU seconds, address space, file size, processes)
 (the trial's leased uid, no groups, no capabilities) then `bwrap` (new user, pid, ipc, uts, net
 and mount namespaces; a read-only root; only its mounts; `--die-with-parent`), each helper by
 absolute path with an empty environment: the task's variables exist only inside. With network
-on, slirp4netns gives the sandbox's own network namespace a way out, but not to the host's
-loopback. What ended the command is recorded: exit, signal, or the limit it hit.
+on, slirp4netns (in its own sandbox, under seccomp) gives the sandbox's own network namespace a
+way out to public destinations and an allowlist only, filtered in the host's namespace (`_egress`).
+What ended the command is recorded: exit, signal, or the limit it hit.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ._bwrap import BWRAP, PRLIMIT, SETPRIV, SLIRP4NETNS, Mount, bwrap_args, check_installed, check_source
+from ._egress import Egress, close_egress, open_egress, parse_allowlist, wrapper_argv
 from ._uids import can_switch_uid
 
 EndedBy = Literal["exit", "signal", "deadline", "cpu", "memory", "file_size", "processes"]
@@ -43,11 +45,27 @@ class Limits(BaseModel):
     file_size_mb: int = Field(1024, ge=1, description="Largest file a process may write, in MiB (RLIMIT_FSIZE).")
     processes: int = Field(128, ge=1, description="Processes and threads the sandbox's uid may have (RLIMIT_NPROC).")
     network: bool = Field(
-        False, description="Outside network (not the host's loopback); False leaves only the sandbox's own loopback."
+        False,
+        description="Outside network: public destinations and `allowed_hosts`, never the host's own addresses, "
+        "private, link-local, CGNAT or multicast ranges; False leaves only the sandbox's own loopback.",
+    )
+    public_network: bool = Field(
+        True, description="With network on, public destinations are reachable; False: only `allowed_hosts`."
+    )
+    allowed_hosts: tuple[str, ...] = Field(
+        (),
+        description="With network on, also reachable (even when private): addresses, CIDRs, host names "
+        "(resolved when the command starts) and leading wildcards such as *.pypi.org.",
     )
     storage_mb: int = Field(
         1024, ge=1, description="The trial's writable layer (its copy, /tmp, /dev/shm, logs), in MiB."
     )
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        parse_allowlist(hosts)  # a ValueError names the first entry that is none of those
+        return hosts
 
 
 class CommandResult(BaseModel):
@@ -189,6 +207,8 @@ async def _launch(
     args_fd = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)  # options by fd: the task's env never shows in a cmdline
     fds = [args_fd]
     net_fds: tuple[int, int, int, int] | None = None
+    # the filter first: a command whose egress cannot be filtered never starts (SandboxUnavailable)
+    egress = await open_egress(limits.allowed_hosts, limits.public_network) if limits.network else None
     try:
         if limits.network:
             info_r, info_w = os.pipe()
@@ -209,6 +229,10 @@ async def _launch(
             pass_fds=fds,
             start_new_session=True,  # its own process group: the deadline kills all of it
         )
+    except BaseException:
+        if egress is not None:
+            await close_egress(egress)
+        raise
     finally:
         os.close(args_fd)
         if net_fds is not None:
@@ -218,8 +242,8 @@ async def _launch(
     timed_out = False
 
     async def run() -> None:
-        if net_fds is not None:
-            await _connect(net_fds[0], net_fds[3], slirp)
+        if net_fds is not None and egress is not None:
+            await _connect(net_fds[0], net_fds[3], slirp, egress)
         await proc.wait()
 
     try:
@@ -238,13 +262,18 @@ async def _launch(
         for slirp_proc, exit_w in slirp:
             os.close(exit_w)  # slirp4netns ends on its exit fd
             await slirp_proc.wait()
+        if egress is not None:
+            await close_egress(egress)
     return proc.returncode, timed_out
 
 
-async def _connect(info_r: int, block_w: int, started: list[tuple[asyncio.subprocess.Process, int]]) -> None:
-    """Give the sandbox's network namespace a slirp4netns link out (no host loopback), then let
-    its command start; the slirp4netns process and its exit fd go to `started` as soon as it runs.
-    Nothing when bwrap ended before saying its pid."""
+async def _connect(
+    info_r: int, block_w: int, started: list[tuple[asyncio.subprocess.Process, int]], egress: Egress
+) -> None:
+    """Give the sandbox's network namespace a slirp4netns link out (no host loopback; its sockets
+    made in `egress`'s cgroup, so the egress filter sees them), then let its command start; the
+    slirp4netns process and its exit fd go to `started` as soon as it runs. Nothing when bwrap
+    ended before saying its pid."""
     info = await asyncio.to_thread(_read_json, info_r)
     pid = info.get("child-pid") if info else None
     if not isinstance(pid, int):
@@ -256,20 +285,27 @@ async def _connect(info_r: int, block_w: int, started: list[tuple[asyncio.subpro
     exit_r, exit_w = os.pipe()  # the driver holds exit_w: slirp4netns ends when the driver does
     try:
         slirp = await asyncio.create_subprocess_exec(
-            SLIRP4NETNS,
-            "--configure",
-            "--mtu=65520",
-            "--disable-host-loopback",
-            "--ready-fd",
-            str(ready_w),
-            "--exit-fd",
-            str(exit_r),
-            # by the namespace's path, not the pid: given a pid, slirp4netns first joins that pid's
-            # user namespace, which --disable-userns nests one level below the namespace's owner,
-            # and from there setns(CLONE_NEWNET) is refused (EPERM): no tap0, no network
-            "--netns-type=path",
-            f"/proc/{pid}/ns/net",
-            "tap0",
+            *wrapper_argv(
+                egress,
+                [
+                    SLIRP4NETNS,
+                    "--configure",
+                    "--mtu=65520",
+                    "--disable-host-loopback",
+                    "--enable-sandbox",  # its own mount namespace on an empty root, no capabilities left
+                    "--enable-seccomp",  # and only the system calls it needs
+                    "--ready-fd",
+                    str(ready_w),
+                    "--exit-fd",
+                    str(exit_r),
+                    # by the namespace's path, not the pid: given a pid, slirp4netns first joins that
+                    # pid's user namespace, which --disable-userns nests one level below the
+                    # namespace's owner, and from there setns(CLONE_NEWNET) is refused (EPERM)
+                    "--netns-type=path",
+                    f"/proc/{pid}/ns/net",
+                    "tap0",
+                ],
+            ),
             env={},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
