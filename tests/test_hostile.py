@@ -682,3 +682,83 @@ def test_a_working_folder_in_the_tasks_own_folders_is_refused_at_load(
         load_task(t)
     _task(tmp_path, "fine", "true\n", toml='workdir = "/srv/tests"\n')
     assert load_task(tmp_path / "fine").config.environment.workdir == "/srv/tests"
+
+
+# ---- egress: what a network-on trial reaches, from the host's side ------------------------------
+
+
+def test_network_on_trials_reach_public_and_allowlisted_destinations_only(pg_cli: Cli, tmp_path: Path) -> None:
+    """Listeners in the test's own namespace (private, CGNAT, metadata, a "public" TEST-NET
+    address) and on the host's veth and wildcard addresses; a public, an allowlist and an honest
+    trial, run by the CLI on PostgreSQL with a run-level allowlist naming one private address."""
+    import json
+
+    from netlab import ALLOWED, ATTACK, TASK_ALLOWED, network_lab
+
+    with network_lab(tmp_path) as lab:
+        targets = json.dumps(lab.targets())
+        tasks = tmp_path / "tasks"
+
+        def attack(name: str, allowed: set[str]) -> str:
+            check = f"set(json.load(open('reached.json'))) <= {allowed!r}"
+            return (
+                f"python3 attack.py {name} '{targets}' > reached.json\n"
+                f'python3 -c "import json, sys; sys.exit(not {check})" || touch pwned\ntrue\n'
+            )
+
+        _task(
+            tasks,
+            "egress-public",
+            attack("egress-public", {"public", "run-allowed"}),
+            toml="allow_internet = true\n",
+            **{"environment__attack.py": ATTACK},
+        )
+        _task(
+            tasks,
+            "egress-allowlist",
+            attack("egress-allowlist", {"run-allowed", "task-allowed"}),
+            toml=f'network_mode = "allowlist"\nallowed_hosts = ["{TASK_ALLOWED}"]\n',
+            **{"environment__attack.py": ATTACK},
+        )
+        honest = (
+            'python3 -c \'import socket; s = socket.create_connection(("203.0.113.7", 47311), timeout=10);'
+            ' s.sendall(b"honest public\\n"); assert s.recv(10) == b"hello\\n"\' && touch ok.txt\n'
+        )
+        _task(
+            tasks,
+            "honest",
+            honest,
+            test=REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n',
+            toml="allow_internet = true\n",
+        )
+        proc = subprocess.run(
+            [
+                *pg_cli.argv(
+                    "train", "--run-id", "egress", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1"
+                ),
+                "--set",
+                f'env.allow_hosts=["{ALLOWED}"]',
+            ],
+            cwd=pg_cli.cwd,
+            env=pg_cli.env(),
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
+        assert proc.returncode == 0, proc.stderr
+        trials = {
+            t["trial_id"].split("-", 1)[1].rsplit("-", 1)[0]: t for t in pg_cli.json("show", "egress", "--trials")
+        }
+        logged: dict[str, set[str]] = {}
+        for line in lab.reached():
+            _, _, name, label = line.split()
+            logged.setdefault(name, set()).add(label)
+        host_callers = list(lab.host_callers)
+    assert trials["honest"]["reward"] == 1.0, trials["honest"]
+    assert trials["egress-public"]["reward"] == 0.0 and trials["egress-allowlist"]["reward"] == 0.0, (logged, trials)
+    assert logged == {
+        "egress-public": {"public", "run-allowed"},  # not 10.231.0.3, 169.254.169.254, 100.64/10, 172.16/12, 192.168/16
+        "egress-allowlist": {"run-allowed", "task-allowed"},  # not even the public address
+        "honest": {"public"},
+    }
+    assert host_callers == []  # neither the host's veth address nor its 0.0.0.0 / :: listener saw a caller
