@@ -762,3 +762,48 @@ def test_network_on_trials_reach_public_and_allowlisted_destinations_only(pg_cli
         "honest": {"public"},
     }
     assert host_callers == []  # neither the host's veth address nor its 0.0.0.0 / :: listener saw a caller
+
+
+# ---- admission: the live trials' tmpfs quotas and memory limits, added up ------------------------
+
+
+def test_trials_that_do_not_fit_the_memory_budget_wait_and_one_bigger_than_it_fails(cli: Cli, tmp_path: Path) -> None:
+    """Five trials of 100 MiB storage + 100 MiB memory under a 450 MiB budget: at most two live at
+    once, counted from the host (their processes under sandbox uids); all five score 1. A sixth
+    asking for more than the whole budget fails with one line."""
+    tasks = tmp_path / "tasks"
+    marker = "4.321"  # the seconds each trial sleeps: its process is found by this
+    for i in range(5):
+        _task(
+            tasks,
+            f"fits-{i}",
+            f"sleep {marker}; touch ok.txt\n",
+            test=REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n',
+            toml="storage_mb = 100\n",
+        )
+        text = (tasks / f"fits-{i}" / "task.toml").read_text().replace("memory_mb = 1024", "memory_mb = 100")
+        (tasks / f"fits-{i}" / "task.toml").write_text(text)
+    _task(tasks, "too-big", "touch ok.txt\n", toml="storage_mb = 400\n")
+    driver = cli.popen(
+        "train", "--run-id", "admitted", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1",
+        "--set", "sandbox_memory_mb=450",
+    )  # fmt: skip
+    most = 0
+    try:
+        while driver.poll() is None:
+            live = {os.stat(f"/proc/{p}").st_uid for p in _pids_of(f"sleep {marker}") if _in_sandbox_range(p)}
+            most = max(most, len(live))
+            time.sleep(0.05)
+    finally:
+        _, err = driver.communicate(timeout=240)
+    assert driver.returncode == 0, err
+    trials = {t["trial_id"].split("-", 1)[1].rsplit("-", 1)[0]: t for t in cli.json("show", "admitted", "--trials")}
+    assert [trials[f"fits-{i}"]["reward"] for i in range(5)] == [1.0] * 5
+    assert most == 2, most  # 2 x 200 MiB fit in 450; a third never did
+    message = trials["too-big"]["error_message"]
+    assert "more than the sandbox memory budget of 450 MiB" in message and "\n" not in message, message
+
+
+def _pids_of(command: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-x", "-f", command], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]

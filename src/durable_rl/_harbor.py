@@ -524,6 +524,14 @@ class Harbor(Environment):
         self._leases.setdefault(spec.trial_id, []).append(weakref.finalize(sandbox, release, lock))
         return image
 
+    def trial_resources(self, spec: TrialSpec) -> tuple[int, int]:
+        # the most any of its phases gets: its environment's, or a separate verifier's
+        config = self.task(spec.world_id).config
+        envs = [config.environment]
+        envs += [e for s in [None, *(config.steps or [])] if (e := config.separate_verifier(s)) is not None]
+        limits = [trial.limits_for(e, 1.0, False) for e in envs]
+        return max(x.storage_mb for x in limits), max(x.memory_mb for x in limits)
+
     # ---- a trial ------------------------------------------------------------------------------
 
     async def setup(self, spec: TrialSpec, sandbox: Sandbox) -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 from pydantic import Field
 
 from ._models import Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
 from ._protocols import Agent, Environment, Judge, JudgeContext, Sandbox, TrainContext, Trainer, TrialContext
+from ._sandbox._admission import budget
 from ._sandbox._process import Limits
 from ._sandbox._tools import SandboxTools
 from ._sandbox._uids import leased_uid_async
@@ -31,6 +33,14 @@ class SandboxSettings(_Frozen):
     )
     method: str = Field("auto", description="Working-copy method: auto, overlay, reflink or copy.")
     limits: Limits = Field(default_factory=Limits, description="Limits of every command a trial runs.")
+
+
+def admitted(env: Environment, spec: TrialSpec, budget_mb: int | None) -> AbstractAsyncContextManager[None]:
+    """The trial's share of the driver's memory budget (its storage quota plus its memory limit:
+    the environment's for its task, else the sandbox's defaults), waited for in turn."""
+    defaults = SandboxSettings().limits
+    storage, memory = env.trial_resources(spec) or (defaults.storage_mb, defaults.memory_mb)
+    return budget(budget_mb).hold(storage + memory, f"trial {spec.trial_id}")
 
 
 @unit(name="build_world", version="3", tier="sandbox", retries=1)

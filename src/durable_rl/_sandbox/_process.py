@@ -25,6 +25,7 @@ from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ._admission import MemoryCgroup, memory_cgroup_root
 from ._bwrap import BWRAP, PRLIMIT, SETPRIV, SLIRP4NETNS, Mount, bwrap_args, check_installed, check_source
 from ._egress import Egress, close_egress, open_egress, parse_allowlist, wrapper_argv
 from ._uids import can_switch_uid
@@ -172,12 +173,12 @@ async def run_command(
     with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
         ended = await _launch(command, options, limits, uid, out_file, err_file)
         stdout, stderr = _read_capped(out_file), _read_capped(err_file)
-    code, timed_out = ended
+    code, timed_out, out_of_memory = ended
     sig = _signal_of(code)
     return CommandResult(
         exit_code=code if code is not None and code >= 0 else None,
         signal=signal.Signals(sig).name if sig is not None else None,
-        ended_by=_ended_by(timed_out, sig, stderr),
+        ended_by="memory" if out_of_memory and not timed_out else _ended_by(timed_out, sig, stderr),
         stdout=stdout,
         stderr=stderr,
         seconds=round(time.monotonic() - t0, 3),
@@ -201,15 +202,20 @@ def _place_cwd(cwd: Path, mounts: Sequence[Mount], uid: int | None) -> tuple[lis
 
 async def _launch(
     command: str, options: list[str], limits: Limits, uid: int | None, out_file: IO[bytes], err_file: IO[bytes]
-) -> tuple[int | None, bool]:
-    """Start the sandbox, wire its network when asked, wait for it under the deadline; its exit
-    code and whether the deadline ended it."""
+) -> tuple[int | None, bool, bool]:
+    """Start the sandbox (in a memory cgroup of its own where the machine has one), wire its
+    network when asked, wait for it under the deadline; its exit code, whether the deadline
+    ended it, and whether its memory cgroup's limit did."""
+    # the filter first: a command whose egress cannot be filtered never starts (SandboxUnavailable)
+    egress = await open_egress(limits.allowed_hosts, limits.public_network) if limits.network else None
     args_fd = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)  # options by fd: the task's env never shows in a cmdline
     fds = [args_fd]
     net_fds: tuple[int, int, int, int] | None = None
-    # the filter first: a command whose egress cannot be filtered never starts (SandboxUnavailable)
-    egress = await open_egress(limits.allowed_hosts, limits.public_network) if limits.network else None
+    memory: MemoryCgroup | None = None
     try:
+        if memory_cgroup_root() is not None:
+            # all its processes together: their memory and the pages they write into the trial's tmpfs
+            memory = MemoryCgroup(limits.memory_mb + limits.storage_mb)
         if limits.network:
             info_r, info_w = os.pipe()
             block_r, block_w = os.pipe()
@@ -219,6 +225,8 @@ async def _launch(
         os.write(args_fd, b"".join(os.fsencode(a) + b"\0" for a in options))
         os.lseek(args_fd, 0, os.SEEK_SET)
         argv = [*_prefix(limits, uid), BWRAP, "--args", str(args_fd), "/bin/sh", "-c", command]
+        if memory is not None:  # joined before anything runs; if it cannot be, nothing runs
+            argv = ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', str(memory.procs), *argv]
         proc = await asyncio.create_subprocess_exec(
             *argv,
             cwd="/",
@@ -232,6 +240,8 @@ async def _launch(
     except BaseException:
         if egress is not None:
             await close_egress(egress)
+        if memory is not None:
+            await memory.remove()
         raise
     finally:
         os.close(args_fd)
@@ -264,7 +274,10 @@ async def _launch(
             await slirp_proc.wait()
         if egress is not None:
             await close_egress(egress)
-    return proc.returncode, timed_out
+        out_of_memory = memory is not None and memory.oom_killed()
+        if memory is not None:
+            await memory.remove()
+    return proc.returncode, timed_out, out_of_memory
 
 
 async def _connect(
