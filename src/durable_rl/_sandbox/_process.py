@@ -42,7 +42,12 @@ class Limits(BaseModel):
 
     wall_s: float = Field(60.0, gt=0, description="Wall-clock seconds before the whole process group is killed.")
     cpu_s: int = Field(60, ge=1, description="CPU seconds (RLIMIT_CPU).")
-    memory_mb: int = Field(2048, ge=16, description="Address space per process in MiB (RLIMIT_AS).")
+    memory_mb: int = Field(
+        2048,
+        ge=16,
+        description="MiB: each process's address space (RLIMIT_AS), and all the command's processes together "
+        "(a memory cgroup whose limit is this plus storage_mb, where the machine has one).",
+    )
     file_size_mb: int = Field(1024, ge=1, description="Largest file a process may write, in MiB (RLIMIT_FSIZE).")
     processes: int = Field(128, ge=1, description="Processes and threads the sandbox's uid may have (RLIMIT_NPROC).")
     network: bool = Field(
@@ -81,7 +86,7 @@ class CommandResult(BaseModel):
     stderr: str = Field(description="Standard error (first 64 KiB).")
     seconds: float = Field(description="Wall time.")
     isolation: list[str] = Field(
-        description="The isolation layers that applied: bwrap, netns or slirp4netns, uid, rlimits."
+        description="The isolation layers that applied: bwrap, netns or slirp4netns, rlimits, uid, memcg."
     )
 
     @property
@@ -165,6 +170,8 @@ async def run_command(
         rootfs_writable=rootfs_writable,
     )
     applied = ["bwrap", "netns", "rlimits", *(["uid"] if uid is not None else [])]
+    if memory_cgroup_root() is not None:
+        applied.append("memcg")
     if limits.network:
         applied[1] = "slirp4netns"
     t0 = time.monotonic()
