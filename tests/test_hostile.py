@@ -344,7 +344,8 @@ def test_sigkill_of_the_whole_tree_leaves_no_sandbox_process_and_resume_reaps_fi
             tasks,
             f"daemon-{i}",
             "setsid nohup sleep 1000 >/dev/null 2>&1 &\n( ( sleep 1000 ) & ) &\nsleep 1000\n",
-            toml=("allow_internet = true\n" if i == 0 else ""),
+            # small: three trials live at once fit the driver's memory budget
+            toml=("allow_internet = true\n" if i == 0 else "") + "storage_mb = 100\n",
             agent_s=5,
         )
     _task(tasks, "honest", "touch ok.txt\n", test=REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n')
