@@ -180,3 +180,62 @@ def test_a_dns_answer_is_read_for_its_addresses() -> None:
     assert answers(reply[:-3]) == ([], 0)  # truncated: nothing admitted
     loop = query[:12] + b"\xc0\x0c"  # a name that points at itself
     assert question(loop) is None
+
+
+def test_what_a_killed_driver_left_in_the_filter_is_swept_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver SIGKILLed mid-command leaves its chain, sets and cgroups; the next driver's first
+    network-on command removes them (a dead pid's), and its own go with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from durable_rl._sandbox._admission import memory_cgroup_root
+
+    if os.geteuid() != 0:
+        pytest.skip("the egress filter needs root")
+    work = tmp_path / "w"
+    work.mkdir()
+    work.chmod(0o777)
+    tmp_path.chmod(0o711)
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import asyncio, pathlib\n"
+            "from durable_rl._sandbox._process import Limits, run_command\n"
+            f"limits = Limits(network=True, wall_s=90)\n"
+            f"asyncio.run(run_command('sleep 60', cwd=pathlib.Path('{work}'), limits=limits))\n",
+        ],
+        start_new_session=True,
+    )
+    egress_root = _egress._cgroup2_root() / _egress.GROUP
+
+    def chains() -> str:
+        return subprocess.run(["nft", "list", "table", "inet", _egress.TABLE], capture_output=True, text=True).stdout
+
+    deadline = time.monotonic() + 60
+    while f"chain c{driver.pid}_0 " not in chains() or not list(egress_root.glob(f"{driver.pid}-*")):
+        assert time.monotonic() < deadline and driver.poll() is None
+        time.sleep(0.1)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    assert f"chain c{driver.pid}_0 " in chains()  # left behind
+    monkeypatch.setattr(_egress, "_installed", False)  # as in a new driver: its first network-on command sweeps
+    r = asyncio.run(run_command("true", cwd=work, limits=NET.model_copy(update={"wall_s": 30})))
+    assert r.ok, r.stderr
+    deadline = time.monotonic() + 10  # its slirp4netns ends on its exit fd; its cgroups empty then
+    while list(egress_root.glob(f"{driver.pid}-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        _egress._install_table_sync()  # the sweep, again, once the last process has left
+    assert f"c{driver.pid}_" not in chains() and f"c{os.getpid()}_" not in chains()
+    assert list(egress_root.glob(f"{driver.pid}-*")) == []
+    memory = memory_cgroup_root()
+    if memory is not None:
+        from durable_rl._sandbox._admission import _swept
+
+        _swept(memory)
+        assert list(memory.glob(f"{driver.pid}-*")) == []

@@ -124,7 +124,7 @@ def memory_cgroup_root() -> Path | None:
             root = Path(point) / _GROUP
             with contextlib.suppress(OSError):
                 root.mkdir(exist_ok=True)
-                return root
+                return _swept(root)
     for _, point, kind, *_ in mounts:
         if kind == "cgroup2" and "memory" in (Path(point) / "cgroup.controllers").read_text().split():
             root = Path(point) / _GROUP
@@ -132,8 +132,18 @@ def memory_cgroup_root() -> Path | None:
                 root.mkdir(exist_ok=True)
                 (Path(point) / "cgroup.subtree_control").write_text("+memory")
                 (root / "cgroup.subtree_control").write_text("+memory")
-                return root
+                return _swept(root)
     return None
+
+
+def _swept(root: Path) -> Path:
+    """`root` without the command cgroups a killed driver left (empty once their processes died)."""
+    for stale in root.iterdir():
+        pid = stale.name.split("-")[0]
+        if stale.is_dir() and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                stale.rmdir()
+    return root
 
 
 _serial = itertools.count()

@@ -197,15 +197,18 @@ def _install_table_sync() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         root = _cgroup2_root() / GROUP
         root.mkdir(exist_ok=True)
-        for stale in root.iterdir():
-            pid = stale.name.split("-")[0]
-            if stale.is_dir() and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                with contextlib.suppress(OSError):
-                    stale.rmdir()
         listed = subprocess.run([NFT, "list", "tables"], capture_output=True, text=True, env={}, check=False)
         if listed.returncode != 0:
             raise SandboxUnavailable(f"the egress filter cannot be installed: nft: {_first(listed.stderr)}")
         tables = [line.split()[-1] for line in listed.stdout.splitlines() if line.startswith("table inet ")]
+        for stale in root.iterdir():  # a driver killed mid-command left its chain, its sets and its cgroup
+            pid = stale.name.split("-")[0]
+            if stale.is_dir() and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                if TABLE in tables:  # its map entries first: the path names them only while the cgroup exists
+                    for line in _cleanup_lines(stale.name, _nft_cgroup(stale)):
+                        subprocess.run([NFT, line], capture_output=True, env={}, check=False)
+                with contextlib.suppress(OSError):
+                    stale.rmdir()
         if TABLE in tables:
             return
         script = "".join(f"delete table inet {t}\n" for t in tables if t.startswith("durable_rl_egress_"))
@@ -390,11 +393,10 @@ def _chain_script(egress: Egress, networks: Sequence[ipaddress.IPv4Network | ipa
 
 async def close_egress(egress: Egress) -> None:
     """Remove the command's chains, sets, forwarder and cgroup (its slirp4netns has ended)."""
-    t, chain, cgroup = f"inet {TABLE}", egress.chain, _nft_cgroup(egress.cgroup)
-    lines = [f'delete element {t} commands {{ "{cgroup}" }}', f"delete chain {t} {chain}"]
-    lines += [f"delete set {t} {chain}_{s}" for s in ("a4", "a6", "d4", "d6")]
-    if egress.forwarder is not None:
-        lines += [f'delete element {t} dns_commands {{ "{cgroup}" }}', f"delete chain {t} n{chain}"]
+    lines = _cleanup_lines(egress.name, _nft_cgroup(egress.cgroup))
+    if egress.forwarder is None:
+        lines = [line for line in lines if "dns_commands" not in line and f" n{egress.chain}" not in line]
+    else:
         egress.forwarder.close()
     await _nft("\n".join(lines) + "\n")  # a table flushed under us took these with it
     for _ in range(50):  # its last process may still be leaving the cgroup
@@ -405,6 +407,15 @@ async def close_egress(egress: Egress) -> None:
             return
         except OSError:
             await asyncio.sleep(0.01)
+
+
+def _cleanup_lines(name: str, cgroup: str) -> list[str]:
+    """nft commands that remove one command's map entries, chains and sets (run together when all
+    exist; one by one for what a killed driver left, where some may not)."""
+    t, chain = f"inet {TABLE}", f"c{name.replace('-', '_')}"
+    lines = [f'delete element {t} commands {{ "{cgroup}" }}', f'delete element {t} dns_commands {{ "{cgroup}" }}']
+    lines += [f"delete chain {t} {chain}", f"delete chain {t} n{chain}"]
+    return lines + [f"delete set {t} {chain}_{s}" for s in ("a4", "a6", "d4", "d6")]
 
 
 def wrapper_argv(egress: Egress, argv: Sequence[str]) -> list[str]:
