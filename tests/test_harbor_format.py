@@ -191,8 +191,9 @@ def test_what_runs_without_a_feature_is_noted(tmp_path: Path) -> None:
         'mcp_servers = [{ name = "m", url = "http://x" }]\nskills_dir = "/s"\n[oddity]\nx = 1\n'
     )
     notes = " | ".join(load_task(_task(tmp_path, "t", toml)).notes)
-    for said in ("mcp_servers (m)", "skills_dir", "allowlist", "oddity: not a Harbor task.toml field"):
+    for said in ("mcp_servers (m)", "skills_dir", "oddity: not a Harbor task.toml field"):
         assert said in notes
+    assert "allowlist" not in notes  # enforced by the egress filter: nothing to note
 
 
 def test_one_bad_task_never_stops_the_rest(tmp_path: Path) -> None:

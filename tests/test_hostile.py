@@ -344,7 +344,8 @@ def test_sigkill_of_the_whole_tree_leaves_no_sandbox_process_and_resume_reaps_fi
             tasks,
             f"daemon-{i}",
             "setsid nohup sleep 1000 >/dev/null 2>&1 &\n( ( sleep 1000 ) & ) &\nsleep 1000\n",
-            toml=("allow_internet = true\n" if i == 0 else ""),
+            # small: three trials live at once fit the driver's memory budget
+            toml=("allow_internet = true\n" if i == 0 else "") + "storage_mb = 100\n",
             agent_s=5,
         )
     _task(tasks, "honest", "touch ok.txt\n", test=REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n')
@@ -682,3 +683,128 @@ def test_a_working_folder_in_the_tasks_own_folders_is_refused_at_load(
         load_task(t)
     _task(tmp_path, "fine", "true\n", toml='workdir = "/srv/tests"\n')
     assert load_task(tmp_path / "fine").config.environment.workdir == "/srv/tests"
+
+
+# ---- egress: what a network-on trial reaches, from the host's side ------------------------------
+
+
+def test_network_on_trials_reach_public_and_allowlisted_destinations_only(pg_cli: Cli, tmp_path: Path) -> None:
+    """Listeners in the test's own namespace (private, CGNAT, metadata, a "public" TEST-NET
+    address) and on the host's veth and wildcard addresses; a public, an allowlist and an honest
+    trial, run by the CLI on PostgreSQL with a run-level allowlist naming one private address."""
+    import json
+
+    from netlab import ALLOWED, ATTACK, TASK_ALLOWED, network_lab
+
+    with network_lab(tmp_path) as lab:
+        targets = json.dumps(lab.targets())
+        tasks = tmp_path / "tasks"
+
+        def attack(name: str, allowed: set[str]) -> str:
+            check = f"set(json.load(open('reached.json'))) <= {allowed!r}"
+            return (
+                f"python3 attack.py {name} '{targets}' > reached.json\n"
+                f'python3 -c "import json, sys; sys.exit(not {check})" || touch pwned\ntrue\n'
+            )
+
+        _task(
+            tasks,
+            "egress-public",
+            attack("egress-public", {"public", "run-allowed"}),
+            toml="allow_internet = true\n",
+            **{"environment__attack.py": ATTACK},
+        )
+        _task(
+            tasks,
+            "egress-allowlist",
+            attack("egress-allowlist", {"run-allowed", "task-allowed"}),
+            toml=f'network_mode = "allowlist"\nallowed_hosts = ["{TASK_ALLOWED}"]\n',
+            **{"environment__attack.py": ATTACK},
+        )
+        honest = (
+            'python3 -c \'import socket; s = socket.create_connection(("203.0.113.7", 47311), timeout=10);'
+            ' s.sendall(b"honest public\\n"); assert s.recv(10) == b"hello\\n"\' && touch ok.txt\n'
+        )
+        _task(
+            tasks,
+            "honest",
+            honest,
+            test=REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n',
+            toml="allow_internet = true\n",
+        )
+        proc = subprocess.run(
+            [
+                *pg_cli.argv(
+                    "train", "--run-id", "egress", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1"
+                ),
+                "--set",
+                f'env.allow_hosts=["{ALLOWED}"]',
+            ],
+            cwd=pg_cli.cwd,
+            env=pg_cli.env(),
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
+        assert proc.returncode == 0, proc.stderr
+        trials = {
+            t["trial_id"].split("-", 1)[1].rsplit("-", 1)[0]: t for t in pg_cli.json("show", "egress", "--trials")
+        }
+        logged: dict[str, set[str]] = {}
+        for line in lab.reached():
+            _, _, name, label = line.split()
+            logged.setdefault(name, set()).add(label)
+        host_callers = list(lab.host_callers)
+    assert trials["honest"]["reward"] == 1.0, trials["honest"]
+    assert trials["egress-public"]["reward"] == 0.0 and trials["egress-allowlist"]["reward"] == 0.0, (logged, trials)
+    assert logged == {
+        "egress-public": {"public", "run-allowed"},  # not 10.231.0.3, 169.254.169.254, 100.64/10, 172.16/12, 192.168/16
+        "egress-allowlist": {"run-allowed", "task-allowed"},  # not even the public address
+        "honest": {"public"},
+    }
+    assert host_callers == []  # neither the host's veth address nor its 0.0.0.0 / :: listener saw a caller
+
+
+# ---- admission: the live trials' tmpfs quotas and memory limits, added up ------------------------
+
+
+def test_trials_that_do_not_fit_the_memory_budget_wait_and_one_bigger_than_it_fails(cli: Cli, tmp_path: Path) -> None:
+    """Five trials of 100 MiB storage + 100 MiB memory under a 450 MiB budget: at most two live at
+    once, counted from the host (their processes under sandbox uids); all five score 1. A sixth
+    asking for more than the whole budget fails with one line."""
+    tasks = tmp_path / "tasks"
+    marker = "4.321"  # the seconds each trial sleeps: its process is found by this
+    for i in range(5):
+        _task(
+            tasks,
+            f"fits-{i}",
+            f"sleep {marker}; touch ok.txt\n",
+            test=REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n',
+            toml="storage_mb = 100\n",
+        )
+        text = (tasks / f"fits-{i}" / "task.toml").read_text().replace("memory_mb = 1024", "memory_mb = 100")
+        (tasks / f"fits-{i}" / "task.toml").write_text(text)
+    _task(tasks, "too-big", "touch ok.txt\n", toml="storage_mb = 400\n")
+    driver = cli.popen(
+        "train", "--run-id", "admitted", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1",
+        "--set", "sandbox_memory_mb=450",
+    )  # fmt: skip
+    most = 0
+    try:
+        while driver.poll() is None:
+            live = {os.stat(f"/proc/{p}").st_uid for p in _pids_of(f"sleep {marker}") if _in_sandbox_range(p)}
+            most = max(most, len(live))
+            time.sleep(0.05)
+    finally:
+        _, err = driver.communicate(timeout=240)
+    assert driver.returncode == 0, err
+    trials = {t["trial_id"].split("-", 1)[1].rsplit("-", 1)[0]: t for t in cli.json("show", "admitted", "--trials")}
+    assert [trials[f"fits-{i}"]["reward"] for i in range(5)] == [1.0] * 5
+    assert most == 2, most  # 2 x 200 MiB fit in 450; a third never did
+    message = trials["too-big"]["error_message"]
+    assert "more than the sandbox memory budget of 450 MiB" in message and "\n" not in message, message
+
+
+def _pids_of(command: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-x", "-f", command], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]

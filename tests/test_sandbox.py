@@ -766,3 +766,24 @@ def test_a_trial_cancelled_while_its_uid_is_leased_gives_the_uid_back(monkeypatc
     assert taken, "no lease was under way at the cancel"
     assert [u for u in taken if _uids.uid_held(u)] == []
     assert all((_uids._LEASES / str(u)).read_bytes() == b"free\n" for u in taken)
+
+
+def test_a_trials_processes_together_are_bounded_by_memory_mb(tmp_path: Path) -> None:
+    """Each of three processes stays under the per-process limit; together they pass the
+    command's memory cgroup (memory_mb plus its storage quota), which kills them: reported as
+    out of memory. One of them alone runs to the end."""
+    from durable_rl._sandbox._admission import memory_cgroup_root
+
+    if memory_cgroup_root() is None:
+        pytest.skip("no memory cgroup on this machine (or not root): only RLIMIT_AS per process applies")
+    hog = "python3 -c 'import time; x = bytearray(90 * 1024 * 1024); time.sleep(3); print(\"survived\")'"
+    limits = Limits(wall_s=60, cpu_s=30, memory_mb=160, storage_mb=16, processes=32)
+    (tmp_path / "together").mkdir()
+    together = _cmd(f"for i in 1 2 3; do {hog} & done; wait", tmp_path / "together", limits)
+    assert together.ended_by == "memory", together
+    assert together.stdout.count("survived") < 3
+    (tmp_path / "alone").mkdir()
+    alone = _cmd(hog, tmp_path / "alone", limits)
+    assert (alone.ended_by, alone.stdout.strip()) == ("exit", "survived"), alone
+    left = [p.name for p in memory_cgroup_root().iterdir() if p.is_dir() and p.name.startswith(f"{os.getpid()}-")]
+    assert left == []  # each command's cgroup went with it

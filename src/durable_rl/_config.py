@@ -62,6 +62,12 @@ class RunConfig(_Frozen):
         "auto", description="How a trial gets its private working copy."
     )
     sandbox_slots: int = Field(16, ge=1, le=4096, description="Trials that may run at once.")
+    sandbox_memory_mb: int | None = Field(
+        None,
+        ge=64,
+        description="MiB the live trials' storage quotas (tmpfs, RAM) and memory limits may add up to in one driver;"
+        " a trial that does not fit waits. Default: 3/4 of the memory available when the driver starts.",
+    )
     judge_concurrency: int = Field(16, ge=1, le=4096, description="Judge tasks that may run at once.")
     min_success_share: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of a step's trials that must succeed, or the step fails untrained."

@@ -52,6 +52,7 @@ from ._harbor_trial import TaskError, VerificationFailed, read_rewards, scalar_r
 from ._models import AgentTurn, Prompt, ToolCall, Trajectory, TrialSpec, Verdict, Weights, _Frozen
 from ._protocols import Agent, Environment, PluginSettings, Sandbox, TrialContext
 from ._sandbox import Mount, SandboxRefused
+from ._sandbox._egress import parse_allowlist
 from ._sandbox._process import CommandResult, Limits, run_command
 from ._sandbox._tools import read_untrusted
 from ._sandbox._workspace import content_hash, walk_tree
@@ -219,10 +220,6 @@ def _check_runnable(folder: Path, config: TaskConfig, pass_env: tuple[str, ...] 
         for hook in config.verifier_for(step).collect:
             if hook.service != "main":
                 notes.append(f"verifier.collect on service {hook.service!r}: compose services are not supported here")
-    for mode in (env.network()[0], config.agent.network_mode, config.verifier.network_mode):
-        if mode is not None and mode.value == "allowlist":
-            notes.append("network allowlist: hosts are not filtered here; the phase runs with no network")
-            break
     return notes
 
 
@@ -445,6 +442,17 @@ class HarborSettings(PluginSettings):
     kept_trial_files: int = Field(10_000, ge=0, le=10**9, description="Files and folders one trial keeps.")
     kept_run_mb: int = Field(4096, ge=0, le=1 << 30, description="MiB of kept trial files for the whole run.")
     kept_run_files: int = Field(200_000, ge=0, le=10**9, description="Kept files and folders for the whole run.")
+    allow_hosts: list[str] = Field(
+        default_factory=list,
+        description="What every network-on trial may reach besides public destinations, even a private or"
+        " host address (e.g. a model server): host names, addresses, CIDRs, '*.suffix'. None by default.",
+    )
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _hosts(cls, hosts: list[str]) -> list[str]:
+        parse_allowlist(hosts)  # a ValueError names the first entry that is none of those
+        return [h.strip() for h in hosts]
 
     def kept_caps(self) -> trial.KeptCaps:
         """What the kept trial folders may hold, from these settings."""
@@ -544,6 +552,14 @@ class Harbor(Environment):
         self._leases.setdefault(spec.trial_id, []).append(weakref.finalize(sandbox, release, lock))
         return image
 
+    def trial_resources(self, spec: TrialSpec) -> tuple[int, int]:
+        # the most any of its phases gets: its environment's, or a separate verifier's
+        config = self.task(spec.world_id).config
+        envs = [config.environment]
+        envs += [e for s in [None, *(config.steps or [])] if (e := config.separate_verifier(s)) is not None]
+        limits = [trial.limits_for(e, 1.0, False) for e in envs]
+        return max(x.storage_mb for x in limits), max(x.memory_mb for x in limits)
+
     # ---- a trial ------------------------------------------------------------------------------
 
     async def setup(self, spec: TrialSpec, sandbox: Sandbox) -> None:
@@ -574,8 +590,11 @@ class Harbor(Environment):
             logs = sandbox.aux / "logs" / "verifier"
             sandbox.mounts.append(Mount(source=logs, target="/logs/verifier", writable=True))
         sandbox.env.update(rt.env)
-        network, _ = trial.phase_network(task.config.agent.network_mode, task.config.environment)
-        sandbox.limits = trial.limits_for(task.config.environment, task.config.agent.timeout_sec or 600.0, network)
+        agent = task.config.agent
+        network = trial.phase_network(
+            agent.network_mode, agent.allowed_hosts, task.config.environment, self.settings.allow_hosts
+        )
+        sandbox.limits = trial.limits_for(task.config.environment, agent.timeout_sec or 600.0, network)
         sandbox.tools.limits = sandbox.limits
         check = task.config.environment.healthcheck
         if check is not None:
@@ -662,8 +681,11 @@ class Harbor(Environment):
         env = expand_env(verifier.env, self.settings.pass_env)
         logs = sandbox.aux / "logs" / "verifier"
         await asyncio.to_thread(trial.fresh_dir, logs, sandbox.uid)  # the agent cannot plant a reward
-        network, _ = trial.phase_network(
-            None if separate is not None else verifier.network_mode, separate or config.environment
+        network = trial.phase_network(
+            None if separate is not None else verifier.network_mode,
+            verifier.allowed_hosts,
+            separate or config.environment,
+            self.settings.allow_hosts,
         )
         limits = trial.limits_for(separate or config.environment, verifier.timeout_sec, network)
         mounts = [
@@ -785,12 +807,17 @@ class Harbor(Environment):
                         break
             if step.healthcheck is not None:
                 try:
-                    await trial.healthcheck(sandbox, step.healthcheck, sandbox.limits.network, rt.user_id(None))
+                    now = trial.PhaseNetwork(
+                        sandbox.limits.network, sandbox.limits.public_network, sandbox.limits.allowed_hosts
+                    )
+                    await trial.healthcheck(sandbox, step.healthcheck, now, rt.user_id(None))
                 except TaskError as e:
                     result["error"] = str(e)
                     break
             agent_cfg = task.config.agent_for(step)
-            network, _ = trial.phase_network(agent_cfg.network_mode, task.config.environment)
+            network = trial.phase_network(
+                agent_cfg.network_mode, agent_cfg.allowed_hosts, task.config.environment, self.settings.allow_hosts
+            )
             limits = trial.limits_for(task.config.environment, agent_cfg.timeout_sec or 600.0, network)
             await asyncio.to_thread(trial.fresh_dir, sandbox.aux / "logs" / "agent", sandbox.uid)
             ran_agent = await act(step, _read(folder / "instruction.md"), limits)

@@ -20,6 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ._sandbox._egress import parse_allowlist
+
 _WEEK = 7 * 86400
 
 
@@ -34,16 +36,16 @@ class NetworkMode(StrEnum):
 
 
 def _bare_hosts(hosts: list[str]) -> list[str]:
-    for host in hosts:
-        h = host.strip()
-        if not h or "://" in h or "/" in h or ":" in h:
-            raise ValueError(f"allowed_hosts entries are bare host names, not {host!r}")
+    parse_allowlist(hosts)  # a ValueError names the first entry that is not a host, address, CIDR or *.host
     return [h.strip() for h in hosts]
 
 
 class _Phase(_Model):
     network_mode: NetworkMode | None = Field(None, description="This phase's network, over [environment]'s.")
-    allowed_hosts: list[str] = Field(default_factory=list, description="Hosts reachable under 'allowlist'.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Reachable under 'allowlist' (nothing else is): host names, addresses, CIDRs, '*.suffix'.",
+    )
 
     _hosts = field_validator("allowed_hosts")(classmethod(lambda cls, v: _bare_hosts(v)))
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import StateStorageFull
 from ._harbor_config import ArtifactConfig, EnvironmentConfig, HealthcheckConfig, NetworkMode
@@ -320,15 +320,30 @@ async def started(launch: Callable[[], Awaitable[CommandResult]]) -> CommandResu
 # ---- limits and network -----------------------------------------------------------------------------
 
 
-def phase_network(mode: NetworkMode | None, env: EnvironmentConfig) -> tuple[bool, list[str]]:
-    """(network on?, notes) for a phase: its own mode over the environment's. An allowlist cannot be
-    enforced host by host here, so it runs closed (only the sandbox's own loopback)."""
-    effective, hosts = (mode, []) if mode is not None else env.network()
+class PhaseNetwork(NamedTuple):
+    """A phase's network: on or off, public destinations or only its hosts, and those hosts."""
+
+    on: bool
+    public: bool = True
+    hosts: tuple[str, ...] = ()
+
+    def limits(self) -> dict[str, Any]:
+        """The fields of Limits this sets."""
+        return {"network": self.on, "public_network": self.public, "allowed_hosts": self.hosts}
+
+
+def phase_network(
+    mode: NetworkMode | None, hosts: Sequence[str], env: EnvironmentConfig, run_hosts: Sequence[str] = ()
+) -> PhaseNetwork:
+    """A phase's network: its own mode (and hosts, else the environment's) over the environment's.
+    `run_hosts` (the run's allowlist, e.g. a model server) are reachable from every network-on
+    phase; an allowlist phase reaches those and its own hosts, nothing else."""
+    effective, task_hosts = (mode, list(hosts) or env.allowed_hosts) if mode is not None else env.network()
     if effective == NetworkMode.ALLOWLIST:
-        return False, [
-            f"network allowlist ({', '.join(hosts) or 'no hosts'}) runs with no network: hosts are not filtered here"
-        ]
-    return effective == NetworkMode.PUBLIC, []
+        return PhaseNetwork(True, False, tuple(dict.fromkeys([*run_hosts, *task_hosts])))
+    if effective == NetworkMode.PUBLIC:
+        return PhaseNetwork(True, True, tuple(run_hosts))
+    return PhaseNetwork(False)
 
 
 # The machine's ceilings on what a task may ask for: the task file sets its resources (up to
@@ -339,7 +354,7 @@ MAX_STORAGE_MB = 8192  # a trial's writable layer (memory-backed), whatever the 
 MAX_MEMORY_MB = 16384  # a process's address space, whatever the task asks
 
 
-def limits_for(env: EnvironmentConfig, wall_s: float, network: bool) -> Limits:
+def limits_for(env: EnvironmentConfig, wall_s: float, network: PhaseNetwork | bool) -> Limits:
     """A phase's limits from the task's resources: CPU seconds scale with its cpus; storage and
     memory are held to the machine's ceilings (resource_notes says when a task asked for more)."""
     cpus = env.cpus or 1
@@ -350,8 +365,8 @@ def limits_for(env: EnvironmentConfig, wall_s: float, network: bool) -> Limits:
         memory_mb=min(env.memory_mb or DEFAULT_MEMORY_MB, MAX_MEMORY_MB),
         file_size_mb=storage,
         processes=256,
-        network=network,
         storage_mb=storage,
+        **(network if isinstance(network, PhaseNetwork) else PhaseNetwork(network)).limits(),
     )
 
 
@@ -369,13 +384,13 @@ def resource_notes(env: EnvironmentConfig) -> list[str]:
 
 
 async def healthcheck(
-    sandbox: Sandbox, check: HealthcheckConfig, network: bool, user_id: int | None = None
+    sandbox: Sandbox, check: HealthcheckConfig, network: PhaseNetwork, user_id: int | None = None
 ) -> dict[str, Any]:
     """Docker's HEALTHCHECK: run until it passes; failures in the start period do not count, then
     `retries` consecutive failures fail it (a TaskError)."""
     start = time.monotonic()
     failures = attempts = 0
-    limits = sandbox.limits.model_copy(update={"wall_s": check.timeout_sec, "network": network})
+    limits = sandbox.limits.model_copy(update={"wall_s": check.timeout_sec, **network.limits()})
     while True:
         attempts += 1
         ran = await run_in(sandbox, check.command, limits=limits, user_id=user_id)

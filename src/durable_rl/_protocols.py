@@ -204,6 +204,12 @@ class Environment(Plugin, ABC):
         """Seconds one attempt of this trial may run, when the environment knows better than the run's default."""
         return None
 
+    def trial_resources(self, spec: TrialSpec) -> tuple[int, int] | None:
+        """(storage MiB, memory MiB) the trial's commands get at most, when the environment sets
+        them (e.g. its task's); None: the sandbox's default limits. The driver admits the trial
+        when both fit in its memory budget."""
+        return None
+
     async def setup(self, spec: TrialSpec, sandbox: Sandbox) -> None:
         """Prepare the trial's copy before the agent acts (e.g. log folders)."""
 

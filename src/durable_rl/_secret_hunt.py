@@ -101,6 +101,10 @@ class SecretHunt(Environment):
     def world_inputs(self, world_id: str) -> dict[str, Any]:
         return {"world_id": world_id}  # a world's files depend on its id alone
 
+    def trial_resources(self, spec: TrialSpec) -> tuple[int, int]:
+        # a few small text files and file tools: what it is given, and what the driver's memory budget counts
+        return 64, 512
+
     def write_world(self, world_id: str, dest: Path) -> None:
         for rel, text in world_files(world_id).items():
             path = dest / rel

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 from pydantic import Field
@@ -16,6 +17,7 @@ from pydantic import Field
 from ._errors import StateStorageFull
 from ._models import Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
 from ._protocols import Agent, Environment, Judge, JudgeContext, Sandbox, TrainContext, Trainer, TrialContext
+from ._sandbox._admission import budget
 from ._sandbox._process import Limits
 from ._sandbox._tools import SandboxTools
 from ._sandbox._uids import leased_uid_async
@@ -32,6 +34,19 @@ class SandboxSettings(_Frozen):
     )
     method: str = Field("auto", description="Working-copy method: auto, overlay, reflink or copy.")
     limits: Limits = Field(default_factory=Limits, description="Limits of every command a trial runs.")
+
+
+def admitted(env: Environment, spec: TrialSpec, budget_mb: int | None) -> AbstractAsyncContextManager[None]:
+    """The trial's share of the driver's memory budget (its storage quota plus its memory limit:
+    the environment's for its task, else the sandbox's defaults), waited for in turn."""
+    limits = _trial_limits(env, spec, SandboxSettings().limits)
+    return budget(budget_mb).hold(limits.storage_mb + limits.memory_mb, f"trial {spec.trial_id}")
+
+
+def _trial_limits(env: Environment, spec: TrialSpec, limits: Limits) -> Limits:
+    """The sandbox's limits with the environment's storage and memory for this trial, when it sets them."""
+    need = env.trial_resources(spec)
+    return limits if need is None else limits.model_copy(update={"storage_mb": need[0], "memory_mb": need[1]})
 
 
 @unit(name="build_world", version="3", tier="sandbox", retries=1)
@@ -61,20 +76,21 @@ async def generate(
     """One trial on a private copy of the world: the environment's setup, the agent, then the
     deterministic verifier in the same copy; the verdict travels with the trajectory."""
     settings = sandbox or SandboxSettings()
+    limits = _trial_limits(env, spec, settings.limits)
     async with leased_uid_async() as uid:  # no other live trial has it: limits and kills reach this trial only
         async with working_copy(
             Path(world.root),
             settings.trials_dir,
             method=settings.method,
             owner_uid=uid,
-            quota_mb=settings.limits.storage_mb,
+            quota_mb=limits.storage_mb,
         ) as ws:
             box = Sandbox(
                 path=ws.path,
                 aux=ws.aux,
                 world=world,
-                tools=SandboxTools(ws.path, limits=settings.limits, uid=uid),
-                limits=settings.limits,
+                tools=SandboxTools(ws.path, limits=limits, uid=uid),
+                limits=limits,
                 uid=uid,
                 workspace=ws,
                 files=await asyncio.to_thread(_files_folder, ctx, spec),  # off the loop all trials share

@@ -9,9 +9,11 @@ to the ledger before it is sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -347,6 +349,14 @@ class Attempted:
     error: str | None = None
 
 
+def _admitted(config: RunConfig, unit: UnitName, args: dict[str, Any]) -> AbstractAsyncContextManager[None]:
+    """A trial's share of the driver's memory budget, held while it runs; nothing for other units."""
+    if unit != "generate":
+        return contextlib.nullcontext()
+    spec = TrialSpec.model_validate(args["spec"])
+    return units.admitted(config.plugins().env, spec, config.sandbox_memory_mb)
+
+
 async def execute_attempt(
     run_id: str,
     unit: UnitName,
@@ -367,7 +377,8 @@ async def execute_attempt(
     failures: list[str] = []
     FAILURES.set(failures)  # the attempt's task copies this context, and the list with it
     try:
-        output = await asyncio.wait_for(_call(unit, args, attempt, config, run_id, key, links, faults), timeout)
+        async with _admitted(config, unit, args):  # waiting for memory is no part of its deadline
+            output = await asyncio.wait_for(_call(unit, args, attempt, config, run_id, key, links, faults), timeout)
     except TimeoutError:
         error = f"TimeoutError: attempt {attempt} passed its {timeout:g} s deadline and was cancelled"
         if failures:

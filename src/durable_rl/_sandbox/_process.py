@@ -4,8 +4,9 @@ The command runs as `prlimit` (CPU seconds, address space, file size, processes)
 (the trial's leased uid, no groups, no capabilities) then `bwrap` (new user, pid, ipc, uts, net
 and mount namespaces; a read-only root; only its mounts; `--die-with-parent`), each helper by
 absolute path with an empty environment: the task's variables exist only inside. With network
-on, slirp4netns gives the sandbox's own network namespace a way out, but not to the host's
-loopback. What ended the command is recorded: exit, signal, or the limit it hit.
+on, slirp4netns (in its own sandbox, under seccomp) gives the sandbox's own network namespace a
+way out to public destinations and an allowlist only, filtered in the host's namespace (`_egress`).
+What ended the command is recorded: exit, signal, or the limit it hit.
 
 Its stdout and stderr are pipes the driver reads, never files: nothing the command does to its
 fd 1 or 2 (`posix_fallocate`, a seek, a huge write) takes disk or memory outside the trial. The
@@ -26,9 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ._admission import MemoryCgroup, memory_cgroup_root
 from ._bwrap import BWRAP, PRLIMIT, SETPRIV, SLIRP4NETNS, Mount, bwrap_args, check_installed, check_source
+from ._egress import Egress, close_egress, open_egress, parse_allowlist, wrapper_argv
 from ._uids import can_switch_uid
 
 EndedBy = Literal["exit", "signal", "deadline", "cpu", "memory", "file_size", "processes"]
@@ -44,11 +47,26 @@ class Limits(BaseModel):
 
     wall_s: float = Field(60.0, gt=0, description="Wall-clock seconds before the whole process group is killed.")
     cpu_s: int = Field(60, ge=1, description="CPU seconds (RLIMIT_CPU).")
-    memory_mb: int = Field(2048, ge=16, description="Address space per process in MiB (RLIMIT_AS).")
+    memory_mb: int = Field(
+        2048,
+        ge=16,
+        description="MiB: each process's address space (RLIMIT_AS), and all the command's processes together "
+        "(a memory cgroup whose limit is this plus storage_mb, where the machine has one).",
+    )
     file_size_mb: int = Field(1024, ge=1, description="Largest file a process may write, in MiB (RLIMIT_FSIZE).")
     processes: int = Field(128, ge=1, description="Processes and threads the sandbox's uid may have (RLIMIT_NPROC).")
     network: bool = Field(
-        False, description="Outside network (not the host's loopback); False leaves only the sandbox's own loopback."
+        False,
+        description="Outside network: public destinations and `allowed_hosts`, never the host's own addresses, "
+        "private, link-local, CGNAT or multicast ranges; False leaves only the sandbox's own loopback.",
+    )
+    public_network: bool = Field(
+        True, description="With network on, public destinations are reachable; False: only `allowed_hosts`."
+    )
+    allowed_hosts: tuple[str, ...] = Field(
+        (),
+        description="With network on, also reachable (even when private): addresses, CIDRs, host names "
+        "(resolved when the command starts) and leading wildcards such as *.pypi.org.",
     )
     storage_mb: int = Field(
         1024, ge=1, description="The trial's writable layer (its copy, /tmp, /dev/shm, logs), in MiB."
@@ -59,6 +77,12 @@ class Limits(BaseModel):
         le=64 * 1024 * 1024,
         description="Bytes of stdout and of stderr kept per command; the rest is read and dropped.",
     )
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        parse_allowlist(hosts)  # a ValueError names the first entry that is none of those
+        return hosts
 
 
 class CommandResult(BaseModel):
@@ -77,7 +101,7 @@ class CommandResult(BaseModel):
     stderr_truncated: bool = Field(False, description="stderr was longer than the cap: only its start is kept.")
     seconds: float = Field(description="Wall time.")
     isolation: list[str] = Field(
-        description="The isolation layers that applied: bwrap, netns or slirp4netns, uid, rlimits."
+        description="The isolation layers that applied: bwrap, netns or slirp4netns, rlimits, uid, memcg."
     )
 
     @property
@@ -161,12 +185,14 @@ async def run_command(
         rootfs_writable=rootfs_writable,
     )
     applied = ["bwrap", "netns", "rlimits", *(["uid"] if uid is not None else [])]
+    if memory_cgroup_root() is not None:
+        applied.append("memcg")
     if limits.network:
         applied[1] = "slirp4netns"
     t0 = time.monotonic()
     out, err = _Capture(limits.output_bytes), _Capture(limits.output_bytes)
     try:
-        code, timed_out = await _launch(command, options, limits, uid, out, err)
+        code, timed_out, out_of_memory = await _launch(command, options, limits, uid, out, err)
     finally:
         out.close()
         err.close()
@@ -175,7 +201,7 @@ async def run_command(
     return CommandResult(
         exit_code=code if code is not None and code >= 0 else None,
         signal=signal.Signals(sig).name if sig is not None else None,
-        ended_by=_ended_by(timed_out, sig, stderr),
+        ended_by="memory" if out_of_memory and not timed_out else _ended_by(timed_out, sig, stderr),
         stdout=stdout,
         stderr=stderr,
         stdout_bytes=out.total,
@@ -279,13 +305,20 @@ class _Capture:
 
 async def _launch(
     command: str, options: list[str], limits: Limits, uid: int | None, out: _Capture, err: _Capture
-) -> tuple[int | None, bool]:
-    """Start the sandbox, wire its network when asked, wait for it under the deadline; its exit
-    code and whether the deadline ended it."""
+) -> tuple[int | None, bool, bool]:
+    """Start the sandbox (in a memory cgroup of its own where the machine has one), wire its
+    network when asked, wait for it under the deadline; its exit code, whether the deadline
+    ended it, and whether its memory cgroup's limit did."""
+    # the filter first: a command whose egress cannot be filtered never starts (SandboxUnavailable)
+    egress = await open_egress(limits.allowed_hosts, limits.public_network) if limits.network else None
     args_fd = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)  # options by fd: the task's env never shows in a cmdline
     fds = [args_fd]
     net_fds: tuple[int, int, int, int] | None = None
+    memory: MemoryCgroup | None = None
     try:
+        if memory_cgroup_root() is not None:
+            # all its processes together: their memory and the pages they write into the trial's tmpfs
+            memory = MemoryCgroup(limits.memory_mb + limits.storage_mb)
         if limits.network:
             info_r, info_w = os.pipe()
             block_r, block_w = os.pipe()
@@ -295,6 +328,8 @@ async def _launch(
         os.write(args_fd, b"".join(os.fsencode(a) + b"\0" for a in options))
         os.lseek(args_fd, 0, os.SEEK_SET)
         argv = [*_prefix(limits, uid), BWRAP, "--args", str(args_fd), "/bin/sh", "-c", command]
+        if memory is not None:  # joined before anything runs; if it cannot be, nothing runs
+            argv = ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', str(memory.procs), *argv]
         proc = await asyncio.create_subprocess_exec(
             *argv,
             cwd="/",
@@ -305,6 +340,12 @@ async def _launch(
             pass_fds=fds,
             start_new_session=True,  # its own process group: the deadline kills all of it
         )
+    except BaseException:
+        if egress is not None:
+            await close_egress(egress)
+        if memory is not None:
+            await memory.remove()
+        raise
     finally:
         out.close_write()  # the child has its copies: the pipes end when the sandbox does
         err.close_write()
@@ -318,8 +359,8 @@ async def _launch(
     err.start()
 
     async def run() -> None:
-        if net_fds is not None:
-            await _connect(net_fds[0], net_fds[3], slirp)
+        if net_fds is not None and egress is not None:
+            await _connect(net_fds[0], net_fds[3], slirp, egress)
         await proc.wait()
 
     try:
@@ -342,13 +383,21 @@ async def _launch(
         # what they wrote is still to read; a writer that outlived it anyway is cut off
         await out.drained(_DRAIN_GRACE_S)
         await err.drained(_DRAIN_GRACE_S)
-    return proc.returncode, timed_out
+        if egress is not None:
+            await close_egress(egress)
+        out_of_memory = memory is not None and memory.oom_killed()
+        if memory is not None:
+            await memory.remove()
+    return proc.returncode, timed_out, out_of_memory
 
 
-async def _connect(info_r: int, block_w: int, started: list[tuple[asyncio.subprocess.Process, int]]) -> None:
-    """Give the sandbox's network namespace a slirp4netns link out (no host loopback), then let
-    its command start; the slirp4netns process and its exit fd go to `started` as soon as it runs.
-    Nothing when bwrap ended before saying its pid."""
+async def _connect(
+    info_r: int, block_w: int, started: list[tuple[asyncio.subprocess.Process, int]], egress: Egress
+) -> None:
+    """Give the sandbox's network namespace a slirp4netns link out (no host loopback; its sockets
+    made in `egress`'s cgroup, so the egress filter sees them), then let its command start; the
+    slirp4netns process and its exit fd go to `started` as soon as it runs. Nothing when bwrap
+    ended before saying its pid."""
     info = await asyncio.to_thread(_read_json, info_r)
     pid = info.get("child-pid") if info else None
     if not isinstance(pid, int):
@@ -360,20 +409,27 @@ async def _connect(info_r: int, block_w: int, started: list[tuple[asyncio.subpro
     exit_r, exit_w = os.pipe()  # the driver holds exit_w: slirp4netns ends when the driver does
     try:
         slirp = await asyncio.create_subprocess_exec(
-            SLIRP4NETNS,
-            "--configure",
-            "--mtu=65520",
-            "--disable-host-loopback",
-            "--ready-fd",
-            str(ready_w),
-            "--exit-fd",
-            str(exit_r),
-            # by the namespace's path, not the pid: given a pid, slirp4netns first joins that pid's
-            # user namespace, which --disable-userns nests one level below the namespace's owner,
-            # and from there setns(CLONE_NEWNET) is refused (EPERM): no tap0, no network
-            "--netns-type=path",
-            f"/proc/{pid}/ns/net",
-            "tap0",
+            *wrapper_argv(
+                egress,
+                [
+                    SLIRP4NETNS,
+                    "--configure",
+                    "--mtu=65520",
+                    "--disable-host-loopback",
+                    "--enable-sandbox",  # its own mount namespace on an empty root, no capabilities left
+                    "--enable-seccomp",  # and only the system calls it needs
+                    "--ready-fd",
+                    str(ready_w),
+                    "--exit-fd",
+                    str(exit_r),
+                    # by the namespace's path, not the pid: given a pid, slirp4netns first joins that
+                    # pid's user namespace, which --disable-userns nests one level below the
+                    # namespace's owner, and from there setns(CLONE_NEWNET) is refused (EPERM)
+                    "--netns-type=path",
+                    f"/proc/{pid}/ns/net",
+                    "tap0",
+                ],
+            ),
             env={},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -1,0 +1,195 @@
+"""What the live trials may hold of the machine's memory, and the memory cgroup of a command.
+
+A trial's storage quota is a tmpfs (RAM) and its memory limit is RAM: admission adds both up.
+The live trials of a driver together never promise more than its budget (default: 3/4 of the
+memory available when the driver started); a trial that does not fit waits, first come first
+served, until enough live trials have ended; one that alone asks for more than the whole budget
+fails with one line (TrialTooBig).
+
+Each command runs in a memory cgroup of its own where the machine has one (the v1 `memory`
+controller, or v2 with `memory` enabled): its limit is the command's memory plus its storage
+quota, since the pages a command writes into its tmpfs are charged to it as memory. All its
+processes together stay under that; the kernel's OOM killer ends the command when they do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import itertools
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from .._errors import UserError
+
+BUDGET_SHARE = 0.75  # of MemAvailable at the driver's start
+_GROUP = "durable-rl"
+
+
+class TrialTooBig(UserError):
+    """A trial asks for more memory (storage quota plus memory limit) than the whole budget."""
+
+
+def available_mb() -> int:
+    """MemAvailable now, in MiB (the machine's total when the kernel does not say)."""
+    with open("/proc/meminfo") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in f if len(line.split()) >= 2}
+    return (fields.get("MemAvailable") or fields["MemTotal"]) // 1024
+
+
+class MemoryBudget:
+    """The MiB the live trials may promise together; `hold(mb)` waits for room, in order."""
+
+    def __init__(self, total_mb: int) -> None:
+        self.total_mb = total_mb
+        self.held_mb = 0
+        self.live = 0
+        self.most_live = 0  # the most trials that held a share at once (for tests and reports)
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, mb: int, what: str = "a trial") -> AsyncIterator[None]:
+        if mb > self.total_mb:
+            raise TrialTooBig(
+                f"{what} asks for {mb} MiB of memory and storage together, more than the sandbox memory budget "
+                f"of {self.total_mb} MiB: lower its memory_mb/storage_mb or raise sandbox_memory_mb"
+            )
+        if self._waiting or self.held_mb + mb > self.total_mb:
+            turn = asyncio.get_running_loop().create_future()
+            self._waiting.append((mb, turn))
+            try:
+                await turn
+            except BaseException:
+                if turn.done() and not turn.cancelled():  # granted as it was cancelled: give it back
+                    self._give_back(mb)
+                else:
+                    self._waiting.remove((mb, turn))
+                    self._wake()
+                raise
+        else:
+            self._take(mb)
+        try:
+            yield
+        finally:
+            self._give_back(mb)
+
+    def _take(self, mb: int) -> None:
+        self.held_mb += mb
+        self.live += 1
+        self.most_live = max(self.most_live, self.live)
+
+    def _give_back(self, mb: int) -> None:
+        self.held_mb -= mb
+        self.live -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiting and self.held_mb + self._waiting[0][0] <= self.total_mb:
+            mb, turn = self._waiting.popleft()
+            self._take(mb)
+            turn.set_result(None)
+
+
+_budgets: dict[int | None, MemoryBudget] = {}
+
+
+def budget(total_mb: int | None = None) -> MemoryBudget:
+    """The driver's budget: `total_mb` when the run sets one, else 3/4 of MemAvailable when first asked."""
+    if total_mb not in _budgets:
+        _budgets[total_mb] = MemoryBudget(total_mb or max(64, int(_start_available_mb() * BUDGET_SHARE)))
+    return _budgets[total_mb]
+
+
+@functools.cache
+def _start_available_mb() -> int:
+    return available_mb()
+
+
+# ---- a command's memory cgroup --------------------------------------------------------------------
+
+
+@functools.cache
+def memory_cgroup_root() -> Path | None:
+    """The folder command cgroups go in, with a memory controller; None where there is none
+    (not root, or no memory controller mounted)."""
+    if os.geteuid() != 0:
+        return None
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split() for line in f]
+    for _, point, kind, options, *_ in mounts:
+        if kind == "cgroup" and "memory" in options.split(","):
+            root = Path(point) / _GROUP
+            with contextlib.suppress(OSError):
+                root.mkdir(exist_ok=True)
+                return _swept(root)
+    for _, point, kind, *_ in mounts:
+        if kind == "cgroup2" and "memory" in (Path(point) / "cgroup.controllers").read_text().split():
+            root = Path(point) / _GROUP
+            with contextlib.suppress(OSError):
+                root.mkdir(exist_ok=True)
+                (Path(point) / "cgroup.subtree_control").write_text("+memory")
+                (root / "cgroup.subtree_control").write_text("+memory")
+                return _swept(root)
+    return None
+
+
+def _swept(root: Path) -> Path:
+    """`root` without the command cgroups a killed driver left (empty once their processes died)."""
+    for stale in root.iterdir():
+        pid = stale.name.split("-")[0]
+        if stale.is_dir() and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                stale.rmdir()
+    return root
+
+
+_serial = itertools.count()
+
+
+class MemoryCgroup:
+    """One command's memory cgroup: made with its limit, removed after the command."""
+
+    def __init__(self, limit_mb: int) -> None:
+        root = memory_cgroup_root()
+        assert root is not None
+        self.path = root / f"{os.getpid()}-{next(_serial)}"
+        self.path.mkdir()
+        limit = str(limit_mb * 1024 * 1024)
+        self.v1 = (self.path / "memory.limit_in_bytes").exists()
+        if self.v1:
+            (self.path / "memory.limit_in_bytes").write_text(limit)
+            with contextlib.suppress(OSError):  # swap counted too where swap accounting is on
+                (self.path / "memory.memsw.limit_in_bytes").write_text(limit)
+        else:
+            (self.path / "memory.max").write_text(limit)
+            with contextlib.suppress(OSError):
+                (self.path / "memory.swap.max").write_text("0")
+            with contextlib.suppress(OSError):
+                (self.path / "memory.oom.group").write_text("1")
+
+    @property
+    def procs(self) -> Path:
+        return self.path / "cgroup.procs"
+
+    def oom_killed(self) -> bool:
+        """True when the kernel's OOM killer killed a process of the command for its limit."""
+        name, key = ("memory.oom_control", "oom_kill") if self.v1 else ("memory.events", "oom_kill")
+        with contextlib.suppress(OSError):
+            for line in (self.path / name).read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 2 and parts[0] == key:
+                    return int(parts[1]) > 0
+        return False
+
+    async def remove(self) -> None:
+        for _ in range(100):  # its last processes may still be leaving
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                await asyncio.sleep(0.01)
