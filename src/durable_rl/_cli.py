@@ -255,6 +255,10 @@ def _build_config(
                 previous = data.get(section) or {}
                 keep = previous.get("settings", {}) if previous.get("kind") in (None, "", kind) else {}
                 data[section] = {"kind": kind, "settings": keep}
+        # module:attr plug-ins import from here, in the driver and while the overrides below are
+        # checked against their settings: the folder is part of the config before anything resolves
+        if uses_module_plugins(data):
+            data["python_path"] = list(dict.fromkeys([*data.get("python_path", []), str(Path.cwd())]))
         for name, value in given.items():
             if value is None:
                 continue
@@ -267,8 +271,6 @@ def _build_config(
             if not eq:
                 raise UserError(f"--set {item!r}: expected KEY=VALUE")
             set_value(data, key.strip(), parse_value(text))
-        if uses_module_plugins(data):  # the driver imports module:attr plug-ins from here too
-            data["python_path"] = list(dict.fromkeys([*data.get("python_path", []), str(Path.cwd())]))
         return make_config(data, _FLAG_OF)
     except UserError as e:
         key, sep, rest = str(e).partition(":")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Sequence
 from importlib.metadata import entry_points
 from typing import Any, Literal
 
@@ -118,8 +119,12 @@ def known(category: Category) -> list[str]:
     return sorted({*BUILTINS[category], *extra, *(ep.name for ep in entry_points(group=GROUPS[category]))})
 
 
-def resolve(category: Category, kind: str) -> type[Plugin]:
-    """The plug-in class `kind` names in `category`, or a PluginError that says why not."""
+def resolve(category: Category, kind: str, python_path: Sequence[str] = ()) -> type[Plugin]:
+    """The plug-in class `kind` names in `category`, or a PluginError that says why not. A
+    `module:attr` kind is imported with the run's `python_path` folders importable (as `add_paths`
+    allows): the folders a config names are part of what the name means, wherever in a config's
+    merge it is resolved."""
+    add_paths(list(python_path))
     installed = BUILTINS[category].get(kind) or _entry_point(category, kind)
     target = installed or (kind if ":" in kind else None)
     if target is None:
