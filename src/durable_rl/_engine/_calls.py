@@ -167,6 +167,9 @@ class _RecordedJudge(Judge):
         return self.inner.model
 
     async def judge(self, traj: Trajectory, rubric: Rubric, ctx: JudgeContext) -> JudgeAnswer:
+        """The recorded judgment, else the judge's. A judge call is a judgment that sent a request
+        (counted with its first request's ledger row, see `_LedgerObserver`) or, for a judge that
+        sends none, one it computed; a judgment the ledger's recorded answers served is saved."""
         store = current().store
         ident = self.memo_identity  # of the trajectory and rubric this judge was made for
         recorded = await db(store.cache_get, ident)
@@ -174,9 +177,13 @@ class _RecordedJudge(Judge):
             answer = JudgeAnswer.model_validate_json(recorded)
             await db(store.event, self.run_id, "judge_reused", ctx.key, detail=_saved(answer))
             return answer
-        # counted before the call: a call whose answer a crash loses was still billed
-        await db(store.event, self.run_id, "judge_call", ctx.key)
+        ledger = ctx.observer if isinstance(ctx.observer, _LedgerObserver) else None
         answer = await self.inner.judge(traj, rubric, ctx)
+        if ledger is None or not ledger.sent:  # (one that sent a request was counted with it)
+            # no request: the ledger's answers served it (saved), or a judge that sends none computed it
+            saved = ledger is not None and ledger.answered_from_record > 0
+            kind, detail = ("judge_reused", _saved(answer)) if saved else ("judge_call", None)
+            await db(store.event, self.run_id, kind, ctx.key, detail=detail)
         await db(store.cache_put, ident, "judge", answer.model_dump_json(), self.run_id)
         return answer
 
@@ -201,13 +208,23 @@ class _LedgerObserver:
     def __init__(self, run_id: str, key: str, model: str, price: tuple[float, float]) -> None:
         self.run_id, self.key, self.model, self.price = run_id, key, model, price
         self.rows: dict[int, int] = {}
+        self.sent = 0  # requests of this judgment that went out
+        self.answered_from_record = 0  # requests the ledger's recorded answers served instead
 
     async def recorded(self, request_id: str) -> ChatResult | None:
         text = await db(current().store.ledger_answer, request_id)
-        return ChatResult.model_validate_json(text) if text is not None else None
+        if text is None:
+            return None
+        self.answered_from_record += 1
+        return ChatResult.model_validate_json(text)
 
     async def before_request(self, n: int, request_id: str) -> None:
-        self.rows[n] = await db(current().store.ledger_sent, self.run_id, self.key, self.model, n, request_id)
+        # the judgment's first request counts its judge call, in the transaction of its intent: a
+        # call is counted exactly when a request may have gone out, whatever kill follows
+        call = self.sent == 0
+        self.sent += 1
+        store = current().store
+        self.rows[n] = await db(store.ledger_sent, self.run_id, self.key, self.model, n, request_id, count_call=call)
 
     async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None:
         prompt = result.usage.prompt_tokens if result else 0
