@@ -28,7 +28,7 @@ from ._progress import Background, Follower, watch_run
 from ._rubrics import load_rubric
 from ._terminal import console, guard_standard_streams
 from ._tracking import Tracking, check_backends
-from ._views import step_metrics, trial_details
+from ._views import failed_attempts, step_metrics, trial_details
 
 app = typer.Typer(
     add_completion=False,
@@ -540,12 +540,23 @@ def show(
     show_metrics: Annotated[
         bool, typer.Option("--metrics", help="Each step's metrics instead, as `--log` logs them.")
     ] = False,
+    show_failures: Annotated[
+        bool,
+        typer.Option(
+            "--failures",
+            help="Each failed attempt instead (worlds, trials, judge tasks, train steps), with its traceback.",
+        ),
+    ] = False,
     as_json: _JSON = False,
 ) -> None:
-    """Show a run: its steps and its counters, or with --trials each trial, or with --metrics each step's metrics."""
+    """Show a run: its steps and its counters, or with --trials each trial, with --metrics each
+    step's metrics, with --failures each failed attempt and its traceback."""
     store = _run_or_fail(_existing_store(), run_id)
     if show_trials:
         _show_trials(trial_details(store, run_id), as_json)
+        return
+    if show_failures:
+        _show_failures(failed_attempts(store, run_id), as_json)
         return
     if show_metrics:
         _show_metrics(step_metrics(store, run_id), as_json)
@@ -603,6 +614,23 @@ def _show_trials(rows: list[dict[str, Any]], as_json: bool) -> None:
             ", ".join(f"{k}={v}" for k, v in info.items() if k != "rewards"),
         )
     console().print(table)
+
+
+def _show_failures(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows))
+        return
+    for f in rows:
+        print(_visible(f"{f['phase']} {f['key']} attempt {f['attempt']} ({f['seconds']:.2f} s): {f['error']}"))
+        for line in (f["traceback"] or "").rstrip("\n").splitlines():
+            print("    " + _visible(line))
+    if not rows:
+        print("no failed attempts")
+
+
+def _visible(text: str) -> str:
+    """`text` with its control characters (a plug-in's message may hold any) shown as escapes."""
+    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
 
 
 def _show_metrics(rows: list[dict[str, Any]], as_json: bool) -> None:

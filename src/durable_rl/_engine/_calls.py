@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -322,6 +323,15 @@ def _links(config: RunConfig, unit: UnitName, ident: str, args: dict[str, Any]) 
     return link
 
 
+TRACEBACK_MAX_CHARS = 20_000  # a recorded traceback keeps its innermost frames past this
+
+
+def failure_traceback(error: BaseException) -> str:
+    """The failure's traceback, chained causes included, as recorded beside its one-line error."""
+    text = "".join(traceback.format_exception(error))
+    return text if len(text) <= TRACEBACK_MAX_CHARS else "...\n" + text[-TRACEBACK_MAX_CHARS:]
+
+
 def describe_failure(error: BaseException) -> str:
     """'Type: message', with the root cause when another exception caused it."""
     text = f"{type(error).__name__}: {error}"
@@ -382,6 +392,7 @@ async def execute_attempt(
     links = _links(config, unit, ident, args)
     failures: list[str] = []
     FAILURES.set(failures)  # the attempt's task copies this context, and the list with it
+    trace: str | None = None
     try:
         output = await asyncio.wait_for(_call(unit, args, attempt, config, run_id, key, links, faults), timeout)
     except TimeoutError:
@@ -390,6 +401,7 @@ async def execute_attempt(
             error += f"; it was retrying through: {failures[-1]}"
     except Exception as e:  # any failure of the unit's own code fails this attempt only
         error = describe_failure(e)
+        trace = failure_traceback(e)  # where a plug-in failed: kept in the record, never printed
     else:
         text = output.model_dump_json()
         done = {
@@ -401,6 +413,8 @@ async def execute_attempt(
         }
         await db(store.cache_put, ident, unit, text, run_id, done)
         return Attempted(output=output, text=text)
+    if trace is not None:  # before the failure: a recorded failure has its traceback
+        await db(store.event, run_id, f"{unit}_traceback", key, attempt=attempt, detail=trace)
     await db(store.event, run_id, f"{unit}_failed", key, attempt=attempt, seconds=time.monotonic() - t0, detail=error)
     return Attempted(error=error)
 
