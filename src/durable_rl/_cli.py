@@ -25,7 +25,8 @@ from ._errors import UserError
 from ._loop import trial_specs
 from ._procs import exit_now
 from ._progress import Background, Follower, watch_run
-from ._rubrics import load_rubric
+from ._registry import Category, builtin_names
+from ._rubrics import builtin_rubrics, load_rubric
 from ._terminal import console, guard_standard_streams
 from ._tracking import Tracking, check_backends
 from ._views import failed_attempts, step_metrics, trial_details
@@ -285,25 +286,29 @@ def _help(name: str) -> str:
     return _F[name].description or ""
 
 
+_PLUGIN_NOUN = {"env": "Environment", "agent": "Agent", "judge": "Judge", "trainer": "Trainer"}
+
+
+def _plugin_help(category: Category) -> str:
+    """A plug-in option's help, its built-ins named by the registry itself: the two cannot drift."""
+    return f"{_PLUGIN_NOUN[category]}: {', '.join(builtin_names(category))}, an entry point or module:attr."
+
+
+_RUBRICS = f"{', '.join(builtin_rubrics())}, or a TOML/YAML file."  # the built-ins, from their folder
+_RUBRIC_HELP = f"Rubric: {_RUBRICS}"
+
+
 @app.command()
 def train(
     config_file: Annotated[
         Path | None, typer.Option("--config", help="A run config file (TOML or YAML); flags override it.")
     ] = None,
     run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,
-    env: Annotated[
-        str | None, typer.Option(help="Environment: secret-hunt, harbor, an entry point or module:attr.")
-    ] = None,
-    agent: Annotated[
-        str | None, typer.Option(help="Agent: bandit, llm, oracle, nop, an entry point or module:attr.")
-    ] = None,
-    judge: Annotated[
-        str | None, typer.Option(help="Judge: none, simulated, llm, an entry point or module:attr.")
-    ] = None,
-    trainer: Annotated[
-        str | None, typer.Option(help="Trainer: bandit, version, an entry point or module:attr.")
-    ] = None,
-    rubric: Annotated[str | None, typer.Option(help="Rubric: v1, v2-efficiency, or a TOML/YAML file.")] = None,
+    env: Annotated[str | None, typer.Option(help=_plugin_help("env"))] = None,
+    agent: Annotated[str | None, typer.Option(help=_plugin_help("agent"))] = None,
+    judge: Annotated[str | None, typer.Option(help=_plugin_help("judge"))] = None,
+    trainer: Annotated[str | None, typer.Option(help=_plugin_help("trainer"))] = None,
+    rubric: Annotated[str | None, typer.Option(help=_RUBRIC_HELP)] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="KEY=VALUE, e.g. env.n_worlds=4 or units.generate.retries=3.")
     ] = None,
@@ -382,7 +387,7 @@ def train(
 
 @app.command()
 def rescore(
-    rubric: Annotated[str, typer.Option(help="The new rubric: v1, v2-efficiency, or a TOML/YAML file.")],
+    rubric: Annotated[str, typer.Option(help=f"The new rubric: {_RUBRICS}")],
     from_run: Annotated[str | None, typer.Option("--from", help="Run to re-score (default: the latest).")] = None,
     run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,
     as_json: _JSON = False,
@@ -417,7 +422,7 @@ def fork(
     from_step: Annotated[
         int, typer.Option(help="The first step to run anew; the steps before it are kept exactly as recorded.")
     ],
-    rubric: Annotated[str | None, typer.Option(help="A new rubric: a name or a TOML/YAML file.")] = None,
+    rubric: Annotated[str | None, typer.Option(help=f"A new rubric: {_RUBRICS}")] = None,
     lr: Annotated[float | None, typer.Option(help="bandit trainer: a new learning rate.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE: any other new setting.")] = None,
     run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,

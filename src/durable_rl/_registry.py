@@ -113,6 +113,12 @@ def _entry_point(category: Category, name: str) -> str | None:
 NO_JUDGE = "none"  # the judge kind of a run whose reward is the verifier's alone
 
 
+def builtin_names(category: Category) -> list[str]:
+    """The built-in names of a category, in the registry's order (the judge's `none` first);
+    unlike `known`, without scanning installed packages for entry points."""
+    return [*([NO_JUDGE] if category == "judge" else []), *BUILTINS[category]]
+
+
 def known(category: Category) -> list[str]:
     """Names a user may pass: the built-ins and installed entry points."""
     extra = [NO_JUDGE] if category == "judge" else []
