@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,17 @@ def test_help_names_every_builtin_the_registry_has(cli: Cli) -> None:
     for command in ("train", "rescore", "fork"):
         line = _option_help(pages[command], "--rubric")
         assert f"{', '.join(rubrics)}, or a TOML/YAML file" in line, (command, line)
+
+
+HEAVY = ("dbos", "sqlalchemy", "matplotlib", "openai", "starlette", "flyte", "yaml", "durable_rl._engine._store")
+
+
+@pytest.mark.parametrize("argv", [None, ["--help"], ["train", "--help"], ["show", "--help"]])
+def test_the_cli_and_its_help_load_no_engine_database_or_model_library(argv: list[str] | None) -> None:
+    """`import durable_rl._cli` and `--help` import only what parsing needs: the engine, the
+    database driver, the plotting and the model clients wait for the command that uses them."""
+    run = "" if argv is None else f"sys.argv = ['durable-rl', *{argv!r}]; _cli._command_code(); "
+    probe = f"import sys; from durable_rl import _cli; {run}print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "", proc.stdout  # the probe's line: none of them loaded
