@@ -262,6 +262,11 @@ class BadWorlds(Hunt):
         raise KeyError("truth")  # a bug in the world writer
 
 
+class Hostile(Hunt):
+    async def verify(self, spec, traj, sandbox):
+        raise RuntimeError("\\x1b]52;c;cHduZWQ=\\x07\\x1b[2Jpwned")  # escapes: the clipboard, a cleared screen
+
+
 class Writer(drl.Agent):
     kind = "writer"
 
@@ -304,3 +309,10 @@ def test_a_world_writer_that_raises_fails_the_run_in_one_line_that_names_its_tra
     failures = json.loads(cli.run("show", "worlds", "--failures", "--json").stdout)
     assert {(f["phase"], f["key"]) for f in failures} == {("build_world", "w0"), ("build_world", "w1")}
     assert all('raise KeyError("truth")' in f["traceback"] for f in failures)
+
+
+def test_a_plugins_traceback_reaches_the_terminal_as_text_only(cli: Cli) -> None:
+    _broken(cli, "Hostile", "hostile")
+    shown = subprocess.run(cli.argv("show", "hostile", "--failures"), cwd=cli.cwd, env=cli.env(), capture_output=True)
+    assert shown.returncode == 0 and b"pwned" in shown.stdout and b"RuntimeError" in shown.stdout
+    assert b"\x1b" not in shown.stdout and b"\x07" not in shown.stdout
