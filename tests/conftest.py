@@ -70,7 +70,8 @@ class Cli:
         return {**os.environ, "DURABLE_RL_DB": self.db}
 
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "durable_rl", *args]
+        # -P: the working folder is not importable, as for the installed `durable-rl` script
+        return [sys.executable, "-P", "-m", "durable_rl", *args]
 
     def run(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

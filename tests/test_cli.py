@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,46 @@ def test_a_config_file_with_flags_on_top(cli: Cli) -> None:
     assert (recorded["env"], recorded["rubric"]) == ("secret-hunt", "v1")
     proc = cli.run("train", "--config", "run.yaml", "--set", "trainer.lr=-1")
     assert proc.returncode == 2 and "trainer.lr" in _one_clean_line(proc.stderr)
+
+
+def _option_help(help_text: str, option: str) -> str:
+    """The help line of `option` in a command's `--help` (rendered wide enough not to wrap)."""
+    [line] = [ln for ln in help_text.splitlines() if re.match(rf"[^\w-]*{re.escape(option)}\s", ln)]
+    return line
+
+
+def test_help_names_every_builtin_the_registry_has(cli: Cli) -> None:
+    from durable_rl._registry import BUILTINS, NO_JUDGE
+    from durable_rl._rubrics import builtin_rubrics
+
+    wide = {**cli.env(), "COLUMNS": "400"}
+    pages = {}
+    for command in ("train", "rescore", "fork"):
+        proc = subprocess.run(cli.argv(command, "--help"), env=wide, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        pages[command] = proc.stdout
+    for category, names in BUILTINS.items():
+        line = _option_help(pages["train"], f"--{category}")
+        listed = line.split(":", 1)[1].split(", an entry point")[0]
+        expected = [*([NO_JUDGE] if category == "judge" else []), *names]
+        assert [n.strip() for n in listed.split(",")] == expected, line
+    assert {"grpo", "sampler", "skyrl-gym"} <= {n for names in BUILTINS.values() for n in names}
+    rubrics = builtin_rubrics()
+    assert rubrics and "v1" in rubrics
+    for command in ("train", "rescore", "fork"):
+        line = _option_help(pages[command], "--rubric")
+        assert f"{', '.join(rubrics)}, or a TOML/YAML file" in line, (command, line)
+
+
+HEAVY = ("dbos", "sqlalchemy", "matplotlib", "openai", "starlette", "flyte", "yaml", "durable_rl._engine._store")
+
+
+@pytest.mark.parametrize("argv", [None, ["--help"], ["train", "--help"], ["show", "--help"]])
+def test_the_cli_and_its_help_load_no_engine_database_or_model_library(argv: list[str] | None) -> None:
+    """`import durable_rl._cli` and `--help` import only what parsing needs: the engine, the
+    database driver, the plotting and the model clients wait for the command that uses them."""
+    run = "" if argv is None else f"sys.argv = ['durable-rl', *{argv!r}]; _cli._command_code(); "
+    probe = f"import sys; from durable_rl import _cli; {run}print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "", proc.stdout  # the probe's line: none of them loaded

@@ -138,3 +138,21 @@ def test_the_readme_minimal_environment_trains(tmp_path: Path) -> None:
     greetings = [t["reward"] for t in cli.json("show", "g", "--trials")]
     assert out["steps"][0]["n_trials"] == 8 and out["counters"]["judge_calls"] == 0
     assert set(greetings) == {0.0, 1.0} and out["steps"][0]["mean_reward"] == round(sum(greetings) / 8, 3)
+
+
+def test_overrides_on_module_plugins_resolve_from_the_configs_folders(user: Cli, tmp_path: Path) -> None:
+    """`--set` and settings flags check a setting against its plug-in's class, which a module:attr
+    plug-in imports from the run's folders: from the working folder (`--env module:attr`), the
+    config file's folder (`--config`) and the source run's record (`fork`), wherever the CLI runs."""
+    out = user.json("train", "--env", "log_count:LogCount", "--set", "agent.latency=0", "--n-steps", "1")
+    assert out["status"] == "succeeded" and out["steps"][0]["n_trials"] == 6
+    elsewhere = Cli(tmp_path, user.db)  # a folder that does not hold the plug-ins' module
+    config = str(EXAMPLE / "run.toml")
+    out = elsewhere.json("train", "--config", config, "--run-id", "src", "--n-steps", "2", "--set", "trainer.lr=2")
+    assert out["status"] == "succeeded"
+    assert durable_rl.open_run("src", db=user.db).config.trainer.settings["lr"] == 2
+    out = elsewhere.json("train", "--config", config, "--n-steps", "1", "--lr", "3", *QUICK)
+    assert out["status"] == "succeeded"
+    fork = elsewhere.json("fork", "src", "--from-step", "1", "--set", "trainer.lr=0.5", "--run-id", "f")
+    assert fork["status"] == "succeeded" and len(fork["steps"]) == 2
+    assert durable_rl.open_run("f", db=user.db).config.trainer.settings["lr"] == 0.5

@@ -231,3 +231,88 @@ def test_group_policy_drops_or_keeps_the_rest_of_a_broken_group(cli: Cli, policy
         assert "dropped" not in proc.stderr
     # the dropped trial still ran and was judged: dropping is the trainer's choice, not a failure
     assert out["counters"]["judge_task_attempts"] == 5
+
+
+BROKEN_PLUGINS = """
+from pathlib import Path
+
+import durable_rl as drl
+
+
+class Hunt(drl.Environment):
+    kind = "broken"
+    default_agent = "broken:Writer"
+
+    def world_ids(self):
+        return ["w0", "w1"]
+
+    def write_world(self, world_id, dest: Path) -> None:
+        (dest / "name.txt").write_text(world_id)
+
+    def prompts(self, step):
+        return [drl.Prompt(prompt_id=w, world_id=w, text="write answer.txt") for w in self.world_ids()]
+
+    async def verify(self, spec, traj, sandbox):
+        details = {"answer": drl.read_untrusted(sandbox.path / "answer.txt", 100)}
+        return drl.Verdict(score=float(details["truth"]), passed=True)  # a bug: no such key
+
+
+class BadWorlds(Hunt):
+    def write_world(self, world_id, dest: Path) -> None:
+        raise KeyError("truth")  # a bug in the world writer
+
+
+class Hostile(Hunt):
+    async def verify(self, spec, traj, sandbox):
+        raise RuntimeError("\\x1b]52;c;cHduZWQ=\\x07\\x1b[2Jpwned")  # escapes: the clipboard, a cleared screen
+
+
+class Writer(drl.Agent):
+    kind = "writer"
+
+    async def run(self, spec, weights, sandbox, ctx):
+        await sandbox.tools.write_file("answer.txt", "x")
+        return drl.Trajectory(trial_id=spec.trial_id, world_id=spec.world_id, weights_version=weights.version)
+"""
+
+
+def _broken(cli: Cli, env: str, run_id: str) -> subprocess.CompletedProcess[str]:
+    (cli.cwd / "broken.py").write_text(BROKEN_PLUGINS)
+    proc = cli.run("train", "--env", f"broken:{env}", "--run-id", run_id, "--n-steps", "1", *NO_RETRIES, "--json")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout  # the terminal keeps one line per failure
+    return proc
+
+
+def test_a_plugin_error_in_a_trial_keeps_its_traceback_in_the_record(cli: Cli) -> None:
+    proc = _broken(cli, "Hunt", "trial")
+    assert _line(proc.stderr, "skipped s0-w0-n0", "generate: KeyError: 'truth'")
+    trials = _trials(cli, "trial")
+    [failure] = trials["s0-w0-n0"]["failures"]
+    assert failure["error"] == "KeyError: 'truth'"
+    trace = failure["traceback"]
+    assert trace.startswith("Traceback (most recent call last):") and trace.rstrip().endswith("KeyError: 'truth'")
+    assert f'File "{cli.cwd / "broken.py"}"' in trace and 'details["truth"]' in trace  # the plug-in's own line
+    shown = cli.run("show", "trial", "--failures")
+    assert shown.returncode == 0 and 'details["truth"]' in shown.stdout
+    heads = [line for line in shown.stdout.splitlines() if not line.startswith(" ")]  # one per failed attempt
+    assert len(heads) == 4 and any(h.startswith("generate s0-w0-n0 attempt 0 (") for h in heads)
+    assert all(h.endswith("s): KeyError: 'truth'") for h in heads)
+
+
+def test_a_world_writer_that_raises_fails_the_run_in_one_line_that_names_its_traceback(cli: Cli) -> None:
+    proc = _broken(cli, "BadWorlds", "worlds")
+    assert proc.stderr.splitlines() == [
+        "run worlds failed: UnitFailed: build_world w0: KeyError: 'truth' "
+        "(tracebacks: durable-rl show worlds --failures)"
+    ]
+    failures = json.loads(cli.run("show", "worlds", "--failures", "--json").stdout)
+    assert {(f["phase"], f["key"]) for f in failures} == {("build_world", "w0"), ("build_world", "w1")}
+    assert all('raise KeyError("truth")' in f["traceback"] for f in failures)
+
+
+def test_a_plugins_traceback_reaches_the_terminal_as_text_only(cli: Cli) -> None:
+    _broken(cli, "Hostile", "hostile")
+    shown = subprocess.run(cli.argv("show", "hostile", "--failures"), cwd=cli.cwd, env=cli.env(), capture_output=True)
+    assert shown.returncode == 0 and b"pwned" in shown.stdout and b"RuntimeError" in shown.stdout
+    assert b"\x1b" not in shown.stdout and b"\x07" not in shown.stdout

@@ -266,7 +266,8 @@ def test_a_step_with_too_few_trials_fails_the_run_in_one_line(flyte_cli: HomeCli
     failed = [line for line in proc.stderr.splitlines() if line.startswith("run none failed")]
     assert failed == [
         "run none failed: StepFailed: step 0 failed: 0 of 6 trials succeeded, none to train on; "
-        "first failure s0-p0-n0: generate: InjectedFailure: injected sandbox failure for s0-p0-n0 (attempt 0)"
+        "first failure s0-p0-n0: generate: InjectedFailure: injected sandbox failure for s0-p0-n0 (attempt 0) "
+        "(tracebacks: durable-rl show none --failures)"
     ]
     [row] = flyte_cli.json("runs")
     assert (row["status"], row["steps_done"]) == ("failed", 1)

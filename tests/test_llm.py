@@ -196,9 +196,9 @@ def test_an_answer_lost_to_a_kill_is_on_the_ledger_as_billed(cli: Cli, server: S
     book = out["ledger"]
     assert out["status"] == "succeeded" and out["steps"][0]["n_trials"] == 6
     assert book["lost_answers"] == in_flight_at_kill
-    # the lost ones were asked again, and both calls count (a kill between the call's count and its
-    # request's intent can add one more call than lost rows)
-    assert 6 + in_flight_at_kill <= book["judge_calls"] <= 12
+    # the lost ones were asked again, and both calls count: a call is counted with its first
+    # request's intent, in one transaction, so no kill can count a call that sent nothing
+    assert book["judge_calls"] == 6 + in_flight_at_kill
     # every request the server saw is on the ledger; a request's intent is written before it is
     # sent, so a kill between the two leaves an intent the server never saw, among the lost answers
     assert book["requests"] - in_flight_at_kill <= server.count() <= book["requests"]
@@ -279,3 +279,23 @@ def test_an_answer_that_reached_the_process_is_never_paid_again_across_three_who
     assert 24 <= server.count() <= 24 + lost  # server requests = unique judgments + answers lost in flight
     assert server.count() <= len(rows) and lost <= 3 * 16  # each request had its ledger row before it went
     assert out["ledger"]["lost_answers"] == lost
+
+
+def test_judge_calls_are_the_requests_the_server_received_and_ledger_answers_are_saved(
+    cli: Cli, server: ScriptedLLMServer
+) -> None:
+    """A rescore whose rubric changes only weights asks the judge the same prompts: the answers the
+    ledger recorded serve them, so no judge call is made for those and each one counts as saved."""
+    base = cli.json("train", "--run-id", "base", *_llm_args(server), "--n-steps", "2")
+    assert base["counters"]["judge_calls"] == base["ledger"]["judge_calls"] == server.count() == 12
+    assert base["ledger"]["requests"] == 12 and base["ledger"]["saved"]["calls"] == 0
+    before = server.count()
+    out = cli.json("rescore", "--rubric", "v2-efficiency", "--from", "base", "--run-id", "weights")
+    sent = server.count() - before
+    c, book = out["counters"], out["ledger"]
+    assert c["generate_reused"] == 6 and c["judge_task_attempts"] == 12  # step 0's rollouts, all judged anew
+    assert c["judge_calls"] == book["judge_calls"] == book["requests"] == sent  # counted where it is billed
+    assert sent < 12 and book["saved"]["calls"] == 12 - sent >= 6  # step 0's prompts were answered before
+    assert book["saved"]["prompt_tokens"] > 0 and book["saved"]["cost_usd"] > 0
+    text = cli.run("ledger", "weights").stdout
+    assert f"judge calls {sent} " in text and f"saved by replay and reuse: {12 - sent} calls" in text

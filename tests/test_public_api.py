@@ -116,3 +116,20 @@ def test_nothing_but_the_adapters_imports_them_or_their_trainers() -> None:
         if path.name not in train_plugins:
             found = _names(_imports(path)) & {"transformers", "tokenizers", "peft", "torch"}
             assert not found, (path.name, found)
+
+
+def test_the_lazy_exports_are_the_type_checkers_imports_and_all() -> None:
+    """`durable_rl` imports its names on first use: the table it imports them from, the imports a
+    type checker reads and `__all__` name the same things, from the same modules."""
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    [guard] = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    typed = {
+        a.name: "." * n.level + (n.module or "") for n in guard.body if isinstance(n, ast.ImportFrom) for a in n.names
+    }
+    exports = durable_rl._EXPORTS  # type: ignore[attr-defined]
+    assert typed == exports
+    assert set(exports) | {"__version__"} == set(durable_rl.__all__)
+    import importlib
+
+    for name, module in exports.items():
+        assert getattr(durable_rl, name) is getattr(importlib.import_module(module, "durable_rl"), name)

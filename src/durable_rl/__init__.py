@@ -3,55 +3,142 @@
 Every trial, judgment and training step is a durable, independently retryable unit. Bring your
 own Environment, Agent, Judge and Trainer (the protocols below); secret-hunt and Harbor are two
 built-in plug-ins among equals.
+
+The names below are imported on first use (PEP 562): `import durable_rl` and the `durable-rl`
+command load none of the engine, the database driver or the model clients until one is used.
 """
 
-from ._api import Run, as_config, open_run, rescore, resume, train
-from ._config import PluginChoice, Plugins, RunConfig, UnitOverride
-from ._errors import UserError
-from ._fake_llm import ScriptedLLMServer
-from ._faults import Faults, InjectedFailure
-from ._identity import identity
-from ._llm import Endpoint, LLMUnavailable
-from ._llm_judge import JudgeAnswerInvalid, LLMJudge
-from ._llm_policy import LLMAgent, agent_loop
-from ._loop import Ops, StepFailed, StepRecord, TrialOutcome, UnitFailed, drive, run_trial, trial_specs
-from ._models import (
-    AgentTurn,
-    Criterion,
-    JudgeAnswer,
-    Prompt,
-    Reward,
-    Rubric,
-    StepResult,
-    TokenTurn,
-    ToolCall,
-    Trajectory,
-    TrialSpec,
-    Verdict,
-    Weights,
-    World,
-)
-from ._protocols import (
-    VOLATILE,
-    Agent,
-    Environment,
-    Judge,
-    JudgeContext,
-    NoSettings,
-    PluginSettings,
-    Sandbox,
-    TrainContext,
-    Trainer,
-    TrialContext,
-)
-from ._rubrics import load_rubric
-from ._sandbox._bwrap import Mount, SandboxUnavailable
-from ._sandbox._process import CommandResult, Limits, run_command
-from ._sandbox._tools import SandboxTools, ToolError, read_untrusted
-from ._sandbox._workspace import publish_snapshot, working_copy
-from ._trainers import VersionTrainer
-from ._unit import UnitPolicy, policy_of, unit
-from ._units import SandboxSettings, build_world, generate, train_step, verify_and_judge
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._api import Run, as_config, open_run, rescore, resume, train
+    from ._config import PluginChoice, Plugins, RunConfig, UnitOverride
+    from ._errors import UserError
+    from ._fake_llm import ScriptedLLMServer
+    from ._faults import Faults, InjectedFailure
+    from ._identity import identity
+    from ._llm import Endpoint, LLMUnavailable
+    from ._llm_judge import JudgeAnswerInvalid, LLMJudge
+    from ._llm_policy import LLMAgent, agent_loop
+    from ._loop import Ops, StepFailed, StepRecord, TrialOutcome, UnitFailed, drive, run_trial, trial_specs
+    from ._models import (
+        AgentTurn,
+        Criterion,
+        JudgeAnswer,
+        Prompt,
+        Reward,
+        Rubric,
+        StepResult,
+        TokenTurn,
+        ToolCall,
+        Trajectory,
+        TrialSpec,
+        Verdict,
+        Weights,
+        World,
+    )
+    from ._protocols import (
+        VOLATILE,
+        Agent,
+        Environment,
+        Judge,
+        JudgeContext,
+        NoSettings,
+        PluginSettings,
+        Sandbox,
+        TrainContext,
+        Trainer,
+        TrialContext,
+    )
+    from ._rubrics import load_rubric
+    from ._sandbox._bwrap import Mount, SandboxUnavailable
+    from ._sandbox._process import CommandResult, Limits, run_command
+    from ._sandbox._tools import SandboxTools, ToolError, read_untrusted
+    from ._sandbox._workspace import publish_snapshot, working_copy
+    from ._trainers import VersionTrainer
+    from ._unit import UnitPolicy, policy_of, unit
+    from ._units import SandboxSettings, build_world, generate, train_step, verify_and_judge
+
+# Each public name and the module that defines it: what `__getattr__` imports on first use.
+_EXPORTS: dict[str, str] = {
+    "Run": "._api",
+    "as_config": "._api",
+    "open_run": "._api",
+    "rescore": "._api",
+    "resume": "._api",
+    "train": "._api",
+    "PluginChoice": "._config",
+    "Plugins": "._config",
+    "RunConfig": "._config",
+    "UnitOverride": "._config",
+    "UserError": "._errors",
+    "ScriptedLLMServer": "._fake_llm",
+    "Faults": "._faults",
+    "InjectedFailure": "._faults",
+    "identity": "._identity",
+    "Endpoint": "._llm",
+    "LLMUnavailable": "._llm",
+    "JudgeAnswerInvalid": "._llm_judge",
+    "LLMJudge": "._llm_judge",
+    "LLMAgent": "._llm_policy",
+    "agent_loop": "._llm_policy",
+    "Ops": "._loop",
+    "StepFailed": "._loop",
+    "StepRecord": "._loop",
+    "TrialOutcome": "._loop",
+    "UnitFailed": "._loop",
+    "drive": "._loop",
+    "run_trial": "._loop",
+    "trial_specs": "._loop",
+    "AgentTurn": "._models",
+    "Criterion": "._models",
+    "JudgeAnswer": "._models",
+    "Prompt": "._models",
+    "Reward": "._models",
+    "Rubric": "._models",
+    "StepResult": "._models",
+    "TokenTurn": "._models",
+    "ToolCall": "._models",
+    "Trajectory": "._models",
+    "TrialSpec": "._models",
+    "Verdict": "._models",
+    "Weights": "._models",
+    "World": "._models",
+    "VOLATILE": "._protocols",
+    "Agent": "._protocols",
+    "Environment": "._protocols",
+    "Judge": "._protocols",
+    "JudgeContext": "._protocols",
+    "NoSettings": "._protocols",
+    "PluginSettings": "._protocols",
+    "Sandbox": "._protocols",
+    "TrainContext": "._protocols",
+    "Trainer": "._protocols",
+    "TrialContext": "._protocols",
+    "load_rubric": "._rubrics",
+    "Mount": "._sandbox._bwrap",
+    "SandboxUnavailable": "._sandbox._bwrap",
+    "CommandResult": "._sandbox._process",
+    "Limits": "._sandbox._process",
+    "run_command": "._sandbox._process",
+    "SandboxTools": "._sandbox._tools",
+    "ToolError": "._sandbox._tools",
+    "read_untrusted": "._sandbox._tools",
+    "publish_snapshot": "._sandbox._workspace",
+    "working_copy": "._sandbox._workspace",
+    "VersionTrainer": "._trainers",
+    "UnitPolicy": "._unit",
+    "policy_of": "._unit",
+    "unit": "._unit",
+    "SandboxSettings": "._units",
+    "build_world": "._units",
+    "generate": "._units",
+    "train_step": "._units",
+    "verify_and_judge": "._units",
+}
 
 __version__ = "0.2.0"
 
@@ -132,3 +219,16 @@ __all__ = [
     "verify_and_judge",
     "working_copy",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once: later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

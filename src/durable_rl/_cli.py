@@ -10,25 +10,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
-import sqlalchemy as sa
 import typer
-from rich.table import Table
 
-from ._api import check_same_engine, record_run
 from ._config import RunConfig
-from ._config_file import make_config, parse_value, read_config_file, set_value, uses_module_plugins
-from ._engine._store import Store, default_url, state_dir
-from ._engine._supervisor import fork_driver, supervise
 from ._errors import UserError
-from ._loop import trial_specs
 from ._procs import exit_now
-from ._progress import Background, Follower, watch_run
-from ._rubrics import load_rubric
+from ._registry import Category, builtin_names
+from ._rubrics import builtin_rubrics
 from ._terminal import console, guard_standard_streams
-from ._tracking import Tracking, check_backends
-from ._views import step_metrics, trial_details
+
+# A command imports what it needs when it runs: `--help` and a command that reads the record never
+# load the engine (DBOS), and only a command that opens a database loads its driver (SQLAlchemy).
+if TYPE_CHECKING:
+    from ._engine._store import Store
 
 app = typer.Typer(
     add_completion=False,
@@ -39,7 +35,17 @@ app = typer.Typer(
 
 
 class _State:
-    url: str = ""
+    db: str | None = None
+    _url: str = ""
+
+    @property
+    def url(self) -> str:
+        """The state database's URL: `--db`, else the default beside the working folder."""
+        if not self._url:
+            from ._engine._store import default_url
+
+            self._url = self.db or default_url(Path.cwd())
+        return self._url
 
 
 _state = _State()
@@ -52,7 +58,7 @@ def _main(
         typer.Option("--db", envvar="DURABLE_RL_DB", help="State database URL (sqlite:///PATH or postgresql://...)."),
     ] = None,
 ) -> None:
-    _state.url = db or default_url(Path.cwd())
+    _state.db = db
 
 
 def _fail(message: str) -> NoReturn:
@@ -61,6 +67,8 @@ def _fail(message: str) -> NoReturn:
 
 
 def _existing_store() -> Store | None:
+    from ._engine._store import Store
+
     try:
         return Store.open_existing(_state.url)
     except UserError as e:
@@ -89,6 +97,8 @@ def _prices(specs: list[str]) -> dict[str, list[float]]:
 
 def _launch(config: RunConfig, run_id: str | None, as_json: bool, log: list[str] | None = None) -> None:
     """Record a new run and supervise its driver to the end."""
+    from ._api import record_run
+
     try:
         run = record_run(_state.url, config, run_id)
     except UserError as e:
@@ -100,6 +110,8 @@ def _launch(config: RunConfig, run_id: str | None, as_json: bool, log: list[str]
 
 def _resume_command(run_id: str) -> str:
     """The exact command that finishes the run, with --db when it is not the default database."""
+    from ._engine._store import default_url
+
     db = "" if _state.url == default_url(Path.cwd()) else f"--db {_state.url} "
     return f"durable-rl {db}resume {run_id}"
 
@@ -110,6 +122,14 @@ _REPORT = f"{__package__}._report"  # matplotlib is slow to import: only where a
 def _supervise_and_report(
     store: Store, run_id: str, config: RunConfig, as_json: bool, log: list[str] | None = None
 ) -> None:
+    import sqlalchemy as sa
+
+    from ._engine._store import state_dir
+    from ._engine._supervisor import fork_driver, supervise
+    from ._loop import trial_specs
+    from ._progress import Background, Follower
+    from ._tracking import Tracking
+
     lines = sys.stderr if as_json else sys.stdout
     if not as_json:
         plugins = (
@@ -159,7 +179,9 @@ def _supervise_and_report(
 
 
 def _write_report(store: Store, run_id: str) -> Path:
+    from ._engine._store import state_dir
     from ._report import write_report  # imported while the driver ran, when there was one
+    from ._views import step_metrics, trial_details
 
     path = state_dir(_state.url, Path.cwd()) / "reports" / f"{run_id}.html"
     write_report(
@@ -249,6 +271,8 @@ def _build_config(
 ) -> RunConfig:
     """The run's config: the file (or a recorded run's config), then the kinds, top-level flags,
     shortcuts and `--set` on top."""
+    from ._config_file import make_config, parse_value, read_config_file, set_value, uses_module_plugins
+
     try:
         data = read_config_file(config_file) if config_file is not None else dict(base or {})
         for section, kind in kinds.items():
@@ -256,6 +280,10 @@ def _build_config(
                 previous = data.get(section) or {}
                 keep = previous.get("settings", {}) if previous.get("kind") in (None, "", kind) else {}
                 data[section] = {"kind": kind, "settings": keep}
+        # module:attr plug-ins import from here, in the driver and while the overrides below are
+        # checked against their settings: the folder is part of the config before anything resolves
+        if uses_module_plugins(data):
+            data["python_path"] = list(dict.fromkeys([*data.get("python_path", []), str(Path.cwd())]))
         for name, value in given.items():
             if value is None:
                 continue
@@ -268,8 +296,6 @@ def _build_config(
             if not eq:
                 raise UserError(f"--set {item!r}: expected KEY=VALUE")
             set_value(data, key.strip(), parse_value(text))
-        if uses_module_plugins(data):  # the driver imports module:attr plug-ins from here too
-            data["python_path"] = list(dict.fromkeys([*data.get("python_path", []), str(Path.cwd())]))
         return make_config(data, _FLAG_OF)
     except UserError as e:
         key, sep, rest = str(e).partition(":")
@@ -284,25 +310,29 @@ def _help(name: str) -> str:
     return _F[name].description or ""
 
 
+_PLUGIN_NOUN = {"env": "Environment", "agent": "Agent", "judge": "Judge", "trainer": "Trainer"}
+
+
+def _plugin_help(category: Category) -> str:
+    """A plug-in option's help, its built-ins named by the registry itself: the two cannot drift."""
+    return f"{_PLUGIN_NOUN[category]}: {', '.join(builtin_names(category))}, an entry point or module:attr."
+
+
+_RUBRICS = f"{', '.join(builtin_rubrics())}, or a TOML/YAML file."  # the built-ins, from their folder
+_RUBRIC_HELP = f"Rubric: {_RUBRICS}"
+
+
 @app.command()
 def train(
     config_file: Annotated[
         Path | None, typer.Option("--config", help="A run config file (TOML or YAML); flags override it.")
     ] = None,
     run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,
-    env: Annotated[
-        str | None, typer.Option(help="Environment: secret-hunt, harbor, an entry point or module:attr.")
-    ] = None,
-    agent: Annotated[
-        str | None, typer.Option(help="Agent: bandit, llm, oracle, nop, an entry point or module:attr.")
-    ] = None,
-    judge: Annotated[
-        str | None, typer.Option(help="Judge: none, simulated, llm, an entry point or module:attr.")
-    ] = None,
-    trainer: Annotated[
-        str | None, typer.Option(help="Trainer: bandit, version, an entry point or module:attr.")
-    ] = None,
-    rubric: Annotated[str | None, typer.Option(help="Rubric: v1, v2-efficiency, or a TOML/YAML file.")] = None,
+    env: Annotated[str | None, typer.Option(help=_plugin_help("env"))] = None,
+    agent: Annotated[str | None, typer.Option(help=_plugin_help("agent"))] = None,
+    judge: Annotated[str | None, typer.Option(help=_plugin_help("judge"))] = None,
+    trainer: Annotated[str | None, typer.Option(help=_plugin_help("trainer"))] = None,
+    rubric: Annotated[str | None, typer.Option(help=_RUBRIC_HELP)] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="KEY=VALUE, e.g. env.n_worlds=4 or units.generate.retries=3.")
     ] = None,
@@ -356,6 +386,8 @@ def train(
     as_json: _JSON = False,
 ) -> None:
     """Train: build the worlds, then run each step's trials, judge them and update the policy."""
+    from ._tracking import check_backends
+
     try:
         backends = check_backends(log or [])
     except UserError as e:
@@ -381,12 +413,15 @@ def train(
 
 @app.command()
 def rescore(
-    rubric: Annotated[str, typer.Option(help="The new rubric: v1, v2-efficiency, or a TOML/YAML file.")],
+    rubric: Annotated[str, typer.Option(help=f"The new rubric: {_RUBRICS}")],
     from_run: Annotated[str | None, typer.Option("--from", help="Run to re-score (default: the latest).")] = None,
     run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,
     as_json: _JSON = False,
 ) -> None:
     """Re-score a run with a new rubric: reuse every world and rollout whose inputs are unchanged."""
+    from ._config_file import make_config
+    from ._rubrics import load_rubric
+
     try:
         new_rubric = load_rubric(str(Path(rubric).resolve()) if Path(rubric).is_file() else rubric)
     except UserError as e:
@@ -416,7 +451,7 @@ def fork(
     from_step: Annotated[
         int, typer.Option(help="The first step to run anew; the steps before it are kept exactly as recorded.")
     ],
-    rubric: Annotated[str | None, typer.Option(help="A new rubric: a name or a TOML/YAML file.")] = None,
+    rubric: Annotated[str | None, typer.Option(help=f"A new rubric: {_RUBRICS}")] = None,
     lr: Annotated[float | None, typer.Option(help="bandit trainer: a new learning rate.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE: any other new setting.")] = None,
     run_id: Annotated[str | None, typer.Option(help="Id of the new run (default: generated).")] = None,
@@ -452,6 +487,8 @@ def resume(
     as_json: _JSON = False,
 ) -> None:
     """Finish a run whose processes were killed: completed work is replayed, not redone."""
+    from ._api import check_same_engine
+
     store = _run_or_fail(_existing_store(), run_id)
     row = store.run(run_id)
     assert row is not None
@@ -495,6 +532,8 @@ def ledger(
 @app.command("runs")
 def list_runs(as_json: _JSON = False) -> None:
     """List the runs in the state database."""
+    from rich.table import Table
+
     store = _existing_store()
     rows = []
     for r in store.runs() if store is not None else []:
@@ -539,12 +578,27 @@ def show(
     show_metrics: Annotated[
         bool, typer.Option("--metrics", help="Each step's metrics instead, as `--log` logs them.")
     ] = False,
+    show_failures: Annotated[
+        bool,
+        typer.Option(
+            "--failures",
+            help="Each failed attempt instead (worlds, trials, judge tasks, train steps), with its traceback.",
+        ),
+    ] = False,
     as_json: _JSON = False,
 ) -> None:
-    """Show a run: its steps and its counters, or with --trials each trial, or with --metrics each step's metrics."""
+    """Show a run: its steps and its counters, or with --trials each trial, with --metrics each
+    step's metrics, with --failures each failed attempt and its traceback."""
+    from rich.table import Table
+
+    from ._views import failed_attempts, step_metrics, trial_details
+
     store = _run_or_fail(_existing_store(), run_id)
     if show_trials:
         _show_trials(trial_details(store, run_id), as_json)
+        return
+    if show_failures:
+        _show_failures(failed_attempts(store, run_id), as_json)
         return
     if show_metrics:
         _show_metrics(step_metrics(store, run_id), as_json)
@@ -585,6 +639,8 @@ def _show_trials(rows: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
         print(json.dumps(rows))
         return
+    from rich.table import Table
+
     table = Table("trial", "status", "reward", "components", "attempts", "seconds", "error", "root cause", "reported")
     for t in rows:
         info = dict(t["info"])
@@ -604,10 +660,25 @@ def _show_trials(rows: list[dict[str, Any]], as_json: bool) -> None:
     console().print(table)
 
 
+def _show_failures(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows))
+        return
+    for f in rows:
+        # (stdout is behind the terminal guard: a plug-in's message reaches it as text only)
+        print(f"{f['phase']} {f['key']} attempt {f['attempt']} ({f['seconds']:.2f} s): {f['error']}")
+        for line in (f["traceback"] or "").rstrip("\n").splitlines():
+            print("    " + line)
+    if not rows:
+        print("no failed attempts")
+
+
 def _show_metrics(rows: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
         print(json.dumps(rows))
         return
+    from rich.table import Table
+
     names = sorted({name for r in rows for name in r["metrics"]})
     table = Table("metric", *[f"step {r['step']}" for r in rows])
     for name in names:
@@ -626,6 +697,10 @@ def watch(
     ] = False,
 ) -> None:
     """Follow a run's progress from its record, from any terminal or machine, until it ends."""
+    from ._engine._store import state_dir
+    from ._progress import watch_run
+    from ._tracking import Tracking, check_backends
+
     store = _run_or_fail(_existing_store(), run_id)
     try:
         backends = check_backends(log or [])
@@ -652,6 +727,7 @@ def export(
     ] = None,
 ) -> None:
     """Export a run's trials, one row per trial: ids, prompt, messages and tool calls, tokens, rewards, errors."""
+    from ._engine._store import state_dir
     from ._export import FORMATS, export_run
 
     if fmt not in FORMATS:
@@ -731,6 +807,7 @@ def gc_checkpoints(
 ) -> None:
     """Remove checkpoints that no run, fork or trainer's applied-steps log still references."""
     from ._checkpoints import CheckpointStore, references_in
+    from ._engine._store import state_dir
 
     store = _existing_store()
     if store is None:  # no record to keep from: every checkpoint no trainer log names would go

@@ -10,16 +10,18 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
 from ._errors import UserError
 from ._faults import Faults
 from ._models import Rubric, _Frozen
-from ._protocols import Agent, Environment, Judge, Trainer
 from ._registry import NO_JUDGE, Category, add_paths, build, resolve
 from ._rubrics import load_rubric
+
+if TYPE_CHECKING:
+    from ._protocols import Agent, Environment, Judge, Trainer
 
 UnitName = Literal["build_world", "generate", "verify_and_judge", "train_step"]
 

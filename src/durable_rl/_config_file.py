@@ -26,7 +26,8 @@ from pydantic import ValidationError
 
 from ._config import RunConfig
 from ._errors import UserError
-from ._registry import resolve
+from ._protocols import Plugin
+from ._registry import Category, resolve
 
 PLUGIN_SECTIONS = ("env", "agent", "judge", "trainer")
 
@@ -80,7 +81,7 @@ def set_value(data: dict[str, Any], key: str, value: Any, *, flag: str | None = 
             raise UserError(f"{flag or '--set'} {key!r}: a plug-in setting is {parts[0]}.NAME")
         section = data.setdefault(parts[0], {"kind": "", "settings": {}})
         kind = section.get("kind") or _default_kind(data, parts[0])
-        fields = resolve(parts[0], kind).Settings.model_fields if kind != "none" else {}  # type: ignore[arg-type]
+        fields = _plugin(data, parts[0], kind).Settings.model_fields if kind != "none" else {}  # type: ignore[arg-type]
         if parts[1] not in fields:
             known = ", ".join(fields) or "none"
             raise UserError(
@@ -100,8 +101,12 @@ def _default_kind(data: dict[str, Any], section: str) -> str:
     env_kind = (data.get("env") or {}).get("kind") or "secret-hunt"
     if section == "env":
         return str(env_kind)
-    env_cls = resolve("env", env_kind)
-    return str(getattr(env_cls, f"default_{section}"))
+    return str(getattr(_plugin(data, "env", env_kind), f"default_{section}"))
+
+
+def _plugin(data: dict[str, Any], category: Category, kind: str) -> type[Plugin]:
+    """The plug-in class, imported from the folders the config being merged names."""
+    return resolve(category, kind, [str(p) for p in data.get("python_path") or []])
 
 
 def make_config(data: dict[str, Any], names: dict[str, str] | None = None) -> RunConfig:

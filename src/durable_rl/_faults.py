@@ -6,7 +6,6 @@ faults and a run without them print the same figures when retries absorb the fau
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
@@ -73,6 +72,8 @@ async def around_trial(faults: Faults, trial_id: str, attempt: int, call: Callab
     if trial_flakes(trial_id, attempt, faults.flaky_trial_rate):
         raise InjectedFailure(f"injected sandbox failure for {trial_id} (attempt 0)")
     if trial_id in faults.hang_trials:  # a call that never returns: only the trial's timeout ends it
+        import asyncio  # (only a hanging trial needs it: loading the config stays light)
+
         await asyncio.Event().wait()
     return await call()
 

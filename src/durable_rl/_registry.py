@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import importlib
 import sys
-from importlib.metadata import entry_points
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._errors import UserError
-from ._protocols import Agent, Environment, Judge, Plugin, Trainer
+
+if TYPE_CHECKING:
+    from ._protocols import Plugin
 
 Category = Literal["env", "agent", "judge", "trainer"]
 
-BASES: dict[Category, type[Plugin]] = {"env": Environment, "agent": Agent, "judge": Judge, "trainer": Trainer}
+# Each category's base class, in `_protocols` (imported when a plug-in is resolved: naming the
+# built-ins, as `--help` does, loads no plug-in machinery)
+BASES: dict[Category, str] = {"env": "Environment", "agent": "Agent", "judge": "Judge", "trainer": "Trainer"}
 GROUPS: dict[Category, str] = {
     "env": "durable_rl.environments",
     "agent": "durable_rl.agents",
@@ -102,8 +106,14 @@ def _import(target: str) -> Any:
     return obj
 
 
+def _entry_points(category: Category) -> Any:
+    from importlib.metadata import entry_points  # a scan of the installed packages: only when asked
+
+    return entry_points(group=GROUPS[category])
+
+
 def _entry_point(category: Category, name: str) -> str | None:
-    for ep in entry_points(group=GROUPS[category]):
+    for ep in _entry_points(category):
         if ep.name == name:
             return str(ep.value)
     return None
@@ -112,14 +122,24 @@ def _entry_point(category: Category, name: str) -> str | None:
 NO_JUDGE = "none"  # the judge kind of a run whose reward is the verifier's alone
 
 
+def builtin_names(category: Category) -> list[str]:
+    """The built-in names of a category, in the registry's order (the judge's `none` first);
+    unlike `known`, without scanning installed packages for entry points."""
+    return [*([NO_JUDGE] if category == "judge" else []), *BUILTINS[category]]
+
+
 def known(category: Category) -> list[str]:
     """Names a user may pass: the built-ins and installed entry points."""
     extra = [NO_JUDGE] if category == "judge" else []
-    return sorted({*BUILTINS[category], *extra, *(ep.name for ep in entry_points(group=GROUPS[category]))})
+    return sorted({*BUILTINS[category], *extra, *(ep.name for ep in _entry_points(category))})
 
 
-def resolve(category: Category, kind: str) -> type[Plugin]:
-    """The plug-in class `kind` names in `category`, or a PluginError that says why not."""
+def resolve(category: Category, kind: str, python_path: Sequence[str] = ()) -> type[Plugin]:
+    """The plug-in class `kind` names in `category`, or a PluginError that says why not. A
+    `module:attr` kind is imported with the run's `python_path` folders importable (as `add_paths`
+    allows): the folders a config names are part of what the name means, wherever in a config's
+    merge it is resolved."""
+    add_paths(list(python_path))
     installed = BUILTINS[category].get(kind) or _entry_point(category, kind)
     target = installed or (kind if ":" in kind else None)
     if target is None:
@@ -133,7 +153,9 @@ def resolve(category: Category, kind: str) -> type[Plugin]:
         cls = _import(target)
     except ValueError as e:
         raise PluginError(f"--{category} {kind!r}: {e}") from None
-    base = BASES[category]
+    from . import _protocols
+
+    base: type[Plugin] = getattr(_protocols, BASES[category])
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise PluginError(f"--{category} {kind!r}: {target} is not a durable_rl.{base.__name__} subclass")
     return cls

@@ -9,7 +9,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from ._errors import UserError
@@ -33,11 +32,17 @@ def load_rubric(name_or_path: str) -> Rubric:
                 f"--rubric {name_or_path!r}: unknown rubric; built-in: {', '.join(builtin_rubrics())}, "
                 "or the path of a .toml or .yaml file"
             )
+    yaml_file = path.suffix in (".yaml", ".yml")
+    unreadable: tuple[type[Exception], ...] = (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError)
+    if yaml_file:  # a YAML parser only for a YAML file: naming and loading the built-ins needs none
+        import yaml
+
+        unreadable += (yaml.YAMLError,)
     try:
         text = path.read_text(encoding="utf-8")
-        data: Any = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else tomllib.loads(text)
+        data: Any = yaml.safe_load(text) if yaml_file else tomllib.loads(text)
         return Rubric.model_validate(data)
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+    except unreadable as e:
         raise UserError(f"--rubric {path}: cannot read it: {str(e).splitlines()[0]}") from None
     except ValidationError as e:
         err = e.errors()[0]

@@ -55,6 +55,7 @@ def trial_details(store: Store, run_id: str) -> list[dict[str, Any]]:
     failures: dict[str, list[dict[str, Any]]] = defaultdict(list)
     reused: dict[str, set[str]] = defaultdict(set)
     links: dict[str, dict[str, str]] = defaultdict(dict)
+    traces: dict[tuple[str, str, int | None], str] = {}
     for e in store.events(run_id):
         unit, _, what = e["kind"].rpartition("_")
         if unit not in PHASES:
@@ -67,10 +68,10 @@ def trial_details(store: Store, run_id: str) -> list[dict[str, Any]]:
         elif what == "reused":
             reused[key].add(unit)
             seconds[key].setdefault(unit, 0.0)
+        elif what == "traceback":
+            traces[(unit, key, e["attempt"])] = e["detail"]
         elif what == "failed":
-            failures[key].append(
-                {"phase": unit, "attempt": e["attempt"], "seconds": round(e["seconds"] or 0.0, 3), "error": e["detail"]}
-            )
+            failures[key].append(_failure(e, unit, traces))
         if what in ("done", "reused"):
             link = _link(e["detail"])
             if "identity" in link:
@@ -105,6 +106,35 @@ def trial_details(store: Store, run_id: str) -> list[dict[str, Any]]:
             **{k: links[key].get(k) for k in ("generate_identity", "verify_and_judge_identity", "judge_identity")},
         )
         out.append(base)
+    return out
+
+
+UNITS = ("build_world", "generate", "verify_and_judge", "train_step")
+
+
+def _failure(event: dict[str, Any], unit: str, traces: dict[tuple[str, str, int | None], str]) -> dict[str, Any]:
+    return {
+        "phase": unit,
+        "attempt": event["attempt"],
+        "seconds": round(event["seconds"] or 0.0, 3),
+        "error": event["detail"],
+        "traceback": traces.get((unit, event["key"], event["attempt"])),  # none for a timeout
+    }
+
+
+def failed_attempts(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """Every failed attempt of every unit of the run (worlds, trials, judge tasks, train steps) in
+    the order they failed: its unit, key, attempt, seconds, one-line error and traceback."""
+    traces: dict[tuple[str, str, int | None], str] = {}
+    out = []
+    for e in store.events(run_id):
+        unit, _, what = e["kind"].rpartition("_")
+        if unit not in UNITS:
+            continue
+        if what == "traceback":
+            traces[(unit, e["key"], e["attempt"])] = e["detail"]
+        elif what == "failed":
+            out.append({"key": e["key"], **_failure(e, unit, traces)})
     return out
 
 

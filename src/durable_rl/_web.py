@@ -233,9 +233,15 @@ class Views:
             parts.append(
                 "<h3>failed attempts</h3>"
                 + _table(
-                    ["phase", "attempt", "seconds", "error"],
+                    ["phase", "attempt", "seconds", "error", "traceback"],
                     [
-                        [_e(f["phase"]), _e(f["attempt"]), _e(f["seconds"]), f"<pre>{_e(f['error'])}</pre>"]
+                        [
+                            _e(f["phase"]),
+                            _e(f["attempt"]),
+                            _e(f["seconds"]),
+                            f"<pre>{_e(f['error'])}</pre>",
+                            f"<pre>{_e(f['traceback'])}</pre>" if f.get("traceback") else "",
+                        ]
                         for f in t["failures"]
                     ],
                 )

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -170,6 +171,9 @@ class _RecordedJudge(Judge):
         return self.inner.model
 
     async def judge(self, traj: Trajectory, rubric: Rubric, ctx: JudgeContext) -> JudgeAnswer:
+        """The recorded judgment, else the judge's. A judge call is a judgment that sent a request
+        (counted with its first request's ledger row, see `_LedgerObserver`) or, for a judge that
+        sends none, one it computed; a judgment the ledger's recorded answers served is saved."""
         store = current().store
         ident = self.memo_identity  # of the trajectory and rubric this judge was made for
         recorded = await db(store.cache_get, ident)
@@ -177,9 +181,13 @@ class _RecordedJudge(Judge):
             answer = JudgeAnswer.model_validate_json(recorded)
             await db(store.event, self.run_id, "judge_reused", ctx.key, detail=_saved(answer))
             return answer
-        # counted before the call: a call whose answer a crash loses was still billed
-        await db(store.event, self.run_id, "judge_call", ctx.key)
+        ledger = ctx.observer if isinstance(ctx.observer, _LedgerObserver) else None
         answer = await self.inner.judge(traj, rubric, ctx)
+        if ledger is None or not ledger.sent:  # (one that sent a request was counted with it)
+            # no request: the ledger's answers served it (saved), or a judge that sends none computed it
+            saved = ledger is not None and ledger.answered_from_record > 0
+            kind, detail = ("judge_reused", _saved(answer)) if saved else ("judge_call", None)
+            await db(store.event, self.run_id, kind, ctx.key, detail=detail)
         await db(store.cache_put, ident, "judge", answer.model_dump_json(), self.run_id)
         return answer
 
@@ -204,13 +212,23 @@ class _LedgerObserver:
     def __init__(self, run_id: str, key: str, model: str, price: tuple[float, float]) -> None:
         self.run_id, self.key, self.model, self.price = run_id, key, model, price
         self.rows: dict[int, int] = {}
+        self.sent = 0  # requests of this judgment that went out
+        self.answered_from_record = 0  # requests the ledger's recorded answers served instead
 
     async def recorded(self, request_id: str) -> ChatResult | None:
         text = await db(current().store.ledger_answer, request_id)
-        return ChatResult.model_validate_json(text) if text is not None else None
+        if text is None:
+            return None
+        self.answered_from_record += 1
+        return ChatResult.model_validate_json(text)
 
     async def before_request(self, n: int, request_id: str) -> None:
-        self.rows[n] = await db(current().store.ledger_sent, self.run_id, self.key, self.model, n, request_id)
+        # the judgment's first request counts its judge call, in the transaction of its intent: a
+        # call is counted exactly when a request may have gone out, whatever kill follows
+        call = self.sent == 0
+        self.sent += 1
+        store = current().store
+        self.rows[n] = await db(store.ledger_sent, self.run_id, self.key, self.model, n, request_id, count_call=call)
 
     async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None:
         prompt = result.usage.prompt_tokens if result else 0
@@ -308,6 +326,15 @@ def _links(config: RunConfig, unit: UnitName, ident: str, args: dict[str, Any]) 
     return link
 
 
+TRACEBACK_MAX_CHARS = 20_000  # a recorded traceback keeps its innermost frames past this
+
+
+def failure_traceback(error: BaseException) -> str:
+    """The failure's traceback, chained causes included, as recorded beside its one-line error."""
+    text = "".join(traceback.format_exception(error))
+    return text if len(text) <= TRACEBACK_MAX_CHARS else "...\n" + text[-TRACEBACK_MAX_CHARS:]
+
+
 def describe_failure(error: BaseException) -> str:
     """'Type: message', with the root cause when another exception caused it."""
     text = f"{type(error).__name__}: {error}"
@@ -376,6 +403,7 @@ async def execute_attempt(
     links = _links(config, unit, ident, args)
     failures: list[str] = []
     FAILURES.set(failures)  # the attempt's task copies this context, and the list with it
+    trace: str | None = None
     try:
         async with _admitted(config, unit, args):  # waiting for memory is no part of its deadline
             output = await asyncio.wait_for(_call(unit, args, attempt, config, run_id, key, links, faults), timeout)
@@ -387,6 +415,7 @@ async def execute_attempt(
         raise
     except Exception as e:  # any failure of the unit's own code fails this attempt only
         error = describe_failure(e)
+        trace = failure_traceback(e)  # where a plug-in failed: kept in the record, never printed
     else:
         text = output.model_dump_json()
         done = {
@@ -398,6 +427,8 @@ async def execute_attempt(
         }
         await db(store.cache_put, ident, unit, text, run_id, done)
         return Attempted(output=output, text=text)
+    if trace is not None:  # before the failure: a recorded failure has its traceback
+        await db(store.event, run_id, f"{unit}_traceback", key, attempt=attempt, detail=trace)
     await db(store.event, run_id, f"{unit}_failed", key, attempt=attempt, seconds=time.monotonic() - t0, detail=error)
     return Attempted(error=error)
 

@@ -113,7 +113,10 @@ class DbosOps:
                 for r, w in zip(reserved, world_ids, strict=True)
             )
         )
-        return {w: World.model_validate_json(_output(res)) for w, res in zip(world_ids, results, strict=True)}
+        return {
+            w: World.model_validate_json(_output(res, f"build_world {w}: "))
+            for w, res in zip(world_ids, results, strict=True)
+        }
 
     async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> Trajectory:
         args = canonical({"spec": spec, "weights": weights, "world": world})
@@ -183,9 +186,9 @@ def remote(url: str) -> Remote:
     return Remote(url)
 
 
-def _output(result: dict[str, Any]) -> str:
+def _output(result: dict[str, Any], where: str = "") -> str:
     if not result["ok"]:
-        raise UnitFailed(result["error"])
+        raise UnitFailed(where + result["error"])
     text: str = result["output"]
     return text
 
@@ -204,7 +207,9 @@ class _RunEndsAreOurs(logging.Filter):
             return False  # a full disk: the driver says so in one line and stops, resumable
         if (error is not None and connection_lost(error)) or lost_connection_text(record.getMessage()):
             return False  # the database went away: the driver waits for it, then says so in one line
-        return not isinstance(error, EndpointDown | StepFailed)
+        # a unit that failed past its retries ends the run: the driver names it, and the record keeps
+        # its traceback (`show RUN --failures`)
+        return not isinstance(error, EndpointDown | StepFailed | UnitFailed)
 
 
 def _stop_on_signals(quiet: _RunEndsAreOurs) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .._loop import StepFailed, UnitFailed
 from .._procs import exit_now
 from .._sandbox._helper import start_helper
 from .._terminal import guard_standard_streams
@@ -159,7 +160,9 @@ def drive_to_end(run_id: str, url: str, store: Store, run: Awaitable[None]) -> i
             print(_storage_line(run_id, fault), file=sys.stderr)
             return EXIT_STORAGE
         faults.release()
-        print(f"run {run_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        # a unit's failure is one line here; its traceback is in the record
+        where = f" (tracebacks: durable-rl show {run_id} --failures)" if isinstance(e, StepFailed | UnitFailed) else ""
+        print(f"run {run_id} failed: {type(e).__name__}: {e}{where}", file=sys.stderr)
         store.set_status(run_id, "failed")
         store.drop_lease(run_id)
         return EXIT_RUN_FAILED

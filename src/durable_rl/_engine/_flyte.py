@@ -182,15 +182,20 @@ class FlyteOps:
         return output
 
     async def build_worlds(self, world_ids: list[str]) -> dict[str, World]:
-        worlds: list[World] = await asyncio.gather(
-            *(self._run("build_world", w, {"world_id": w}, world_id=w) for w in world_ids)
-        )
+        worlds: list[World] = await asyncio.gather(*(self._world(w) for w in world_ids))
         found = {w.world_id: w for w in worlds}
         for world in worlds:
             if not await asyncio.to_thread(Path(world.root).is_dir):  # its snapshot was removed by hand
                 w = world.world_id  # built again, and cached again
                 found[w] = await self._run("build_world", w, {"world_id": w}, _rebuild_task(), world_id=w)
         return found
+
+    async def _world(self, w: str) -> World:
+        try:
+            world: World = await self._run("build_world", w, {"world_id": w}, world_id=w)
+        except UnitFailed as e:
+            raise UnitFailed(f"build_world {w}: {e}") from None
+        return world
 
     async def generate(self, spec: TrialSpec, weights: Weights, world: World) -> Trajectory:
         args = canonical({"spec": spec, "weights": weights, "world": world})
@@ -290,7 +295,7 @@ class RunFailed(RuntimeError):
 
 def _as_raised(error: BaseRuntimeError) -> Exception:
     """The loop's own error back from Flyte's wrapping (which keeps its type's name as `code`)."""
-    for known in (StepFailed, EndpointDown):
+    for known in (StepFailed, EndpointDown, UnitFailed):
         if error.code == known.__name__:
             return known(str(error))
     return RunFailed(f"{error.code}: {error}")

@@ -870,15 +870,35 @@ class Store:
         return "running"
 
     # the judge's ledger
-    def ledger_sent(self, run_id: str, key: str, model: str, request: int, request_id: str | None = None) -> int:
-        """Write the intent of a request before it goes out; a crash leaves it `sent`: billed, answer lost."""
-        with self._tx() as c:
-            return self._ledger_sent(c, run_id, key, model, request, request_id)
-
-    @staticmethod
-    def _ledger_sent(
-        c: Connection, run_id: str, key: str, model: str, request: int, request_id: str | None = None
+    def ledger_sent(
+        self,
+        run_id: str,
+        key: str,
+        model: str,
+        request: int,
+        request_id: str | None = None,
+        *,
+        count_call: bool = False,
     ) -> int:
+        """Write the intent of a request before it goes out; a crash leaves it `sent`: billed, answer
+        lost. `count_call`: the request is its judgment's first, and its `judge_call` is written with it."""
+        with self._tx() as c:
+            return self._ledger_sent(c, run_id, key, model, request, request_id, count_call=count_call)
+
+    @classmethod
+    def _ledger_sent(
+        cls,
+        c: Connection,
+        run_id: str,
+        key: str,
+        model: str,
+        request: int,
+        request_id: str | None = None,
+        *,
+        count_call: bool = False,
+    ) -> int:
+        if count_call:
+            cls._event(c, run_id, "judge_call", key)
         row = c.execute(
             _INSERT_LEDGER,
             {
