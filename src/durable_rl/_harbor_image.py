@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._sandbox._workspace import content_hash
+from ._sandbox._workspace import content_hash, mount_overlay
 
 BUILDER_VERSION = "3"  # 2: COPY and WORKDIR written inside the layer only; 3: no cache shared between builds
 BASE_SUITE = "bookworm"
@@ -491,7 +491,7 @@ def _start_layer(cache: Path, key: str, lower: Path, limits: BuildLimits) -> Pat
     os.chown(upper, BUILD_UID, BUILD_UID)
     upper.chmod(0o755)
     shutil.rmtree(fs / "lost+found", ignore_errors=True)
-    if not _mount_overlay(f"lowerdir={lower},upperdir={upper},workdir={work}", merged):
+    if not mount_overlay([lower], merged, upper=upper, work=work):
         _discard(staging)
         raise BuildError("the image layer needs an overlay mount, which this machine refused (not root?)")
     return staging
@@ -645,7 +645,7 @@ def mounted_root(image: Image) -> Path:
     root = Path(image.root)
     if not os.path.ismount(root):
         lower = (folder / "lower").read_text()
-        if not _mount_overlay(f"lowerdir={folder / 'layer'}:{lower}", root) and not os.path.ismount(root):
+        if not mount_overlay([folder / "layer", *lower.split(":")], root) and not os.path.ismount(root):
             raise BuildError(f"image {image.key[:12]}: its read-only overlay could not be mounted")
     return root
 
@@ -908,12 +908,6 @@ def _copy_file(src: Path, dst: Path) -> None:
         shutil.copyfileobj(f_in, f_out)
         os.fchown(f_out.fileno(), BUILD_UID, BUILD_UID)
         os.fchmod(f_out.fileno(), mode)
-
-
-def _mount_overlay(options: str, target: Path) -> bool:
-    from ._sandbox._workspace import _libc
-
-    return bool(_libc().mount(b"overlay", os.fsencode(target), b"overlay", 0, options.encode()) == 0)
 
 
 def _unmount(path: Path) -> None:

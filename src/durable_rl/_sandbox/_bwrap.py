@@ -11,6 +11,9 @@ trials are simply not there.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import fcntl
 import functools
 import hashlib
 import os
@@ -146,7 +149,8 @@ def host_etc() -> Path:
     """The sandbox's /etc on the host's root: the allow-listed entries of the host's /etc, copied
     (links kept as links) with the generated ones, in one folder bound once (a bind per entry
     costs more than the rest of a sandbox's start). Named by what it was made from, so a changed
-    host /etc makes a new one; made once per machine and shared."""
+    host /etc makes a new one; made once per machine and shared. As root it is a read-only tmpfs
+    of its own, so the sandbox's mount table does not show where on the host it lies."""
     names = [n for n in _HOST_ETC if os.path.lexists(f"/etc/{n}")]
     made_from = hashlib.sha256()
     for name in names:
@@ -161,30 +165,71 @@ def host_etc() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     root.chmod(0o755)
     folder = root / f"etc-{made_from.hexdigest()[:16]}"
+    if os.geteuid() == 0 and _etc_on_own_filesystem(folder, names):
+        return folder
     if folder.is_dir():
         return folder
     staging = Path(tempfile.mkdtemp(prefix=".etc-", dir=root))
-    for name in names:
-        src = Path("/etc") / name
-        if not (staging / name).parent.is_dir():  # ssl/ for ssl/certs
-            (staging / name).parent.mkdir()
-            (staging / name).parent.chmod(0o755)
-        if src.is_dir() and not src.is_symlink():
-            shutil.copytree(src, staging / name, symlinks=True)
-        else:
-            shutil.copy2(src, staging / name, follow_symlinks=False)
-    for name, text in _GENERATED_ETC.items():
-        (staging / name).write_text(text)
-        (staging / name).chmod(0o644)
-    staging.chmod(0o755)
-    for path in staging.rglob("*"):
-        if not path.is_symlink():  # modes as the host's, never widened: what is not world-readable stays so
-            path.chmod(path.stat().st_mode & 0o755)
+    _fill_etc(staging, names)
     try:
         staging.rename(folder)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)  # another process made it first
     return folder
+
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MNT_DETACH = 1, 2, 4, 32, 2
+
+
+def _etc_on_own_filesystem(folder: Path, names: list[str]) -> bool:
+    """`folder` as a read-only tmpfs of its own holding the sandbox's /etc (made once per machine,
+    under a lock). A bind shows, in the sandbox's mount table, its source's path from the root of
+    the source's filesystem: from a tmpfs of its own that is `/`, never the host folder it is made
+    in. False where this process may not mount (then the folder is made on the host's disk)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    with open(folder.parent / ".etc.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.ismount(folder) and os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return True  # made and filled (it is made read-only only once filled)
+        if os.path.ismount(folder):
+            libc.umount2(os.fsencode(folder), _MNT_DETACH)  # half filled by a process killed meanwhile
+        made = not os.path.lexists(folder)
+        folder.mkdir(mode=0o755, exist_ok=True)
+        flags = _MS_NOSUID | _MS_NODEV
+        if libc.mount(b"tmpfs", os.fsencode(folder), b"tmpfs", flags, b"mode=0755,size=64m") != 0:
+            if made:
+                folder.rmdir()  # an empty folder would pass for a made one
+            return False
+        try:
+            _fill_etc(folder, names)
+        except BaseException:
+            libc.umount2(os.fsencode(folder), _MNT_DETACH)
+            raise
+        if libc.mount(b"tmpfs", os.fsencode(folder), b"tmpfs", flags | _MS_REMOUNT | _MS_RDONLY, b"mode=0755") != 0:
+            err = ctypes.get_errno()
+            libc.umount2(os.fsencode(folder), _MNT_DETACH)
+            raise OSError(err, f"read-only remount of {folder}: {os.strerror(err)}")
+    return True
+
+
+def _fill_etc(dest: Path, names: list[str]) -> None:
+    """The allow-listed entries of the host's /etc (links kept as links) and the generated ones into `dest`."""
+    for name in names:
+        src = Path("/etc") / name
+        if not (dest / name).parent.is_dir():  # ssl/ for ssl/certs
+            (dest / name).parent.mkdir()
+            (dest / name).parent.chmod(0o755)
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dest / name, symlinks=True)
+        else:
+            shutil.copy2(src, dest / name, follow_symlinks=False)
+    for name, text in _GENERATED_ETC.items():
+        (dest / name).write_text(text)
+        (dest / name).chmod(0o644)
+    dest.chmod(0o755)
+    for path in dest.rglob("*"):
+        if not path.is_symlink():  # modes as the host's, never widened: what is not world-readable stays so
+            path.chmod(path.stat().st_mode & 0o755)
 
 
 def _writable_root(rootfs: Path, network: bool) -> list[str]:

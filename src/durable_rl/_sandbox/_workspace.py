@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,11 +315,38 @@ def _libc() -> ctypes.CDLL:
 
 
 def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> bool:
-    """An overlay mount by the mount(2) system call: no `mount` process per trial."""
+    """A working copy's overlay mount (see `mount_overlay`)."""
+    return mount_overlay([lower], merged, upper=upper, work=work)
+
+
+def mount_overlay(
+    lowers: Sequence[Path | str], target: Path, *, upper: Path | None = None, work: Path | None = None
+) -> bool:
+    """An overlay mount at `target` by the mount(2) system call (no `mount` process per trial):
+    `lowers` topmost first, read-only without `upper` and `work`. Each layer is named to the
+    kernel by a descriptor of its folder (`/proc/self/fd/N`), and that name is what the mount's
+    options show in every mount table, a sandbox's `/proc/self/mountinfo` included: no state
+    folder, snapshot hash or image cache path is shown to the trial. False when refused (not root)."""
     if os.geteuid() != 0:
         return False
-    options = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
-    done = _libc().mount(b"overlay", os.fsencode(merged), b"overlay", 0, options)
+    layers = [*lowers, *([upper, work] if upper is not None and work is not None else [])]
+    fds: list[int] = []
+    try:
+        for layer in layers:
+            fds.append(os.open(layer, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        return False
+    named = [f"/proc/self/fd/{fd}" for fd in fds]
+    options = "lowerdir=" + ":".join(named[: len(lowers)])
+    if len(named) > len(lowers):
+        options += f",upperdir={named[-2]},workdir={named[-1]}"
+    try:
+        done = _libc().mount(b"overlay", os.fsencode(target), b"overlay", 0, options.encode())
+    finally:
+        for fd in fds:
+            os.close(fd)
     return bool(done == 0)
 
 
