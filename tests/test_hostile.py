@@ -10,6 +10,7 @@ loopback service that counts connections, and processes left behind.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -808,3 +809,73 @@ def test_trials_that_do_not_fit_the_memory_budget_wait_and_one_bigger_than_it_fa
 def _pids_of(command: str) -> list[int]:
     out = subprocess.run(["pgrep", "-x", "-f", command], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+# ---- what the sandbox's mount table says about the host ---------------------------------------
+
+_SHOW_MOUNTS = "cat /proc/self/mountinfo > /logs/agent/self.txt; cat /proc/1/mountinfo > /logs/agent/pid1.txt\n"
+_TRIAL_TMPFS = ("scratch", "logs", "aux")  # a bind from the trial's own tmpfs shows its path in there
+_SOURCES = {"tmpfs", "overlay", "proc", "devtmpfs", "devpts"}
+
+
+def _what_a_mount_shows(line: str, host_device: str) -> list[str]:
+    """What one line of a sandbox's mountinfo shows beyond the sandbox's own layout: nothing but
+    the host root filesystem's device name as the source of the host system folders it binds."""
+    fields = line.split()
+    sep = fields.index("-")
+    root, point, fstype, source, options = fields[3], fields[4], fields[sep + 1], fields[sep + 2], fields[sep + 3]
+    found = []
+    named_by_itself = root in ("/", "/newroot", point, "/" + point.rsplit("/", 1)[-1])
+    if not named_by_itself and root.split("/")[1] not in _TRIAL_TMPFS:
+        found.append(f"root {root}")
+    if source not in _SOURCES and not (source == host_device and fstype != "overlay"):
+        found.append(f"source {source}")
+    for option in options.split(","):
+        key, _, value = option.partition("=")
+        if key in ("lowerdir", "upperdir", "workdir") and not re.fullmatch(
+            r"/proc/self/fd/\d+(:/proc/self/fd/\d+)*", value
+        ):
+            found.append(f"{key}={value}")
+    return found
+
+
+def test_a_trials_mount_table_names_no_host_folder(cli: Cli, tmp_path: Path) -> None:
+    """A task that reads its own and its pid 1's /proc/.../mountinfo (on the host's system folders
+    and on a built image) finds no host folder in them: not the state folder, the test's folder
+    (the driver's working folder), the trials folder, the snapshot's content hash, the image
+    cache, the host's /root or /work. Each mount shows the sandbox's own layout: its folders,
+    bound from the trial's tmpfs, the image or the host's system folders, overlay layers named by
+    descriptor; of the host only the device name of its root filesystem (and sizes, see the docs)."""
+    from durable_rl._sandbox._bwrap import host_etc
+
+    tasks = tmp_path / "tasks"
+    _task(tasks, "host-root", _SHOW_MOUNTS, test=REWARD + 'echo 1 > "$R/reward.txt"\n')
+    _task(
+        tasks,
+        "image-root",
+        _SHOW_MOUNTS,
+        test=REWARD + 'echo 1 > "$R/reward.txt"\n',
+        environment__Dockerfile="FROM debian:bookworm\nWORKDIR /app\nRUN echo built > /built.txt\n",
+    )
+    proc = cli.run("train", "--run-id", "mounts", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
+    assert proc.returncode == 0, proc.stderr
+    trials = {t["trial_id"].split("-", 1)[1].rsplit("-", 1)[0]: t for t in cli.json("show", "mounts", "--trials")}
+    assert sorted(trials) == ["host-root", "image-root"]
+    state = tmp_path / ".durable-rl"
+    hashes = [p.name for p in (state / "snapshots").iterdir() if not p.name.startswith(".")]
+    assert len(hashes) == 2, hashes
+    forbidden = [str(state), str(tmp_path), str(trials_dir_for(state)), str(host_etc()), *hashes, os.getcwd()]
+    forbidden += ["/root/", " /root/", "/work", "/var/cache/durable-rl", "/run/durable-rl", "durable-rl-", "/home/"]
+    host_device = next(
+        line.split()[-2] for line in Path("/proc/self/mountinfo").read_text().splitlines() if line.split()[4] == "/"
+    )
+    for name, trial in trials.items():
+        assert trial["reward"] == 1.0, trial["error_message"]
+        for kept in ("self.txt", "pid1.txt"):
+            text = (Path(trial["info"]["files"]) / "agent" / kept).read_text()
+            points = [line.split()[4] for line in text.splitlines()]
+            assert "/app" in points and "/logs/agent" in points and "/etc" in points, text
+            for host in forbidden:
+                assert host not in text, f"{name}/{kept} shows {host}:\n{text}"
+            shown = {line: what for line in text.splitlines() if (what := _what_a_mount_shows(line, host_device))}
+            assert not shown, f"{name}/{kept}: {shown}"

@@ -129,22 +129,6 @@ def private_folder(path: Path, mode: int) -> Path:
 
 
 @functools.cache
-def _generated_etc() -> Path:
-    """Generated files a sandbox with a root filesystem may bind (resolv.conf); world-readable."""
-    folder = _state_root() / "etc-generated"
-    folder.mkdir(parents=True, exist_ok=True)
-    folder.chmod(0o755)
-    for name, text in _GENERATED_ETC.items():
-        path = folder / name
-        if not path.exists() or path.read_text() != text:
-            tmp = folder / f".{name}.{os.getpid()}"
-            tmp.write_text(text)
-            tmp.chmod(0o644)
-            tmp.replace(path)
-    return folder
-
-
-@functools.cache
 def host_etc() -> Path:
     """The sandbox's /etc on the host's root: the allow-listed entries of the host's /etc, copied
     (links kept as links) with the generated ones, in one folder bound once (a bind per entry
@@ -236,7 +220,7 @@ def _writable_root(rootfs: Path, network: bool) -> list[str]:
     """The whole root filesystem bound read-write at / (an image being built, owned by its build uid)."""
     args = ["--bind", str(rootfs), "/"]
     if network:
-        args += ["--ro-bind", str(_generated_etc() / "resolv.conf"), "/etc/resolv.conf"]
+        args += ["--ro-bind", str(host_etc() / "resolv.conf"), "/etc/resolv.conf"]
     return args
 
 
@@ -253,7 +237,7 @@ def _root_args(rootfs: Path | None, taken: set[str], network: bool) -> list[str]
             else:
                 args += ["--ro-bind", entry.path, f"/{entry.name}"]
         if network:
-            args += ["--ro-bind", str(_generated_etc() / "resolv.conf"), "/etc/resolv.conf"]
+            args += ["--ro-bind", str(host_etc() / "resolv.conf"), "/etc/resolv.conf"]
         return args
     for name in _HOST_SYSTEM:
         path = Path("/") / name
