@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
 from pathlib import Path
 
@@ -145,6 +146,32 @@ def test_the_verifier_never_follows_a_link_the_agent_left(tmp_path: Path) -> Non
         generate(ENV, Linker(), spec, hunt.BanditTrainer().initial_weights(ENV), world, _ctx(tmp_path), sandbox=sandbox)
     )
     assert traj.verdict is not None and not traj.verdict.passed and traj.verdict.details["answer"] is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the overlay copy and the sandbox's own /etc need root")
+def test_a_trials_commands_see_their_copy_at_workspace_and_no_host_folder(tmp_path: Path) -> None:
+    """The agent's commands start in /workspace, their copy of the world, and neither `pwd` nor
+    the sandbox's mount table names the state folder, the trials folder or the world's hash."""
+    tmp_path.chmod(0o755)  # the sandbox's uid passes on the way to its copy
+    world = _run(build_world(ENV, "w0", snapshots_dir=tmp_path / "snapshots"))
+    seen: list[str] = []
+
+    class Looker(hunt.BanditAgent):
+        async def run(self, spec, weights, sandbox, ctx):  # type: ignore[no-untyped-def]
+            result = await sandbox.tools.run("pwd; ls docs | head -1; cat /proc/self/mountinfo /proc/1/mountinfo")
+            seen.append(result.stdout + result.stderr)
+            return Trajectory(trial_id=spec.trial_id, world_id=spec.world_id, weights_version=0)
+
+    spec = trial_specs(ENV, 0, 1)[0]
+    sandbox = SandboxSettings(trials_dir=tmp_path / "trials")
+    _run(
+        generate(ENV, Looker(), spec, hunt.BanditTrainer().initial_weights(ENV), world, _ctx(tmp_path), sandbox=sandbox)
+    )
+    pwd, first_doc, *mounts = seen[0].splitlines()
+    assert (pwd, first_doc) == ("/workspace", "doc_0.txt"), seen[0]
+    assert any(line.split()[4] == "/workspace" for line in mounts), seen[0]
+    for host in (str(tmp_path), world.content_sha256, os.getcwd(), "/run/durable-rl"):
+        assert host not in seen[0], f"{host} in:\n{seen[0]}"
 
 
 def test_an_injected_trial_failure_comes_only_on_the_first_attempt() -> None:

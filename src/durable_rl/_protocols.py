@@ -61,9 +61,10 @@ class Sandbox:
     copy, outside the agent's view, where an environment keeps tests, solutions and logs; `env`
     holds variables every command of the trial gets (the environment's `setup` may add some).
     Every command (the agent's tools' too) sees `mounts` at their targets, starts in `workdir`
-    (default: where the copy is bound; the copy is bound at its own path unless a mount binds
-    it) and has `rootfs` (default: the host's system folders) as its read-only root. `files`,
-    when set, is a folder kept after the trial for its logs (like Harbor's trial folder).
+    (default: where the copy is bound: at `/workspace` as the `generate` unit makes it, at its
+    own host path when no mount binds it) and has `rootfs` (default: the host's system folders)
+    as its read-only root. `files`, when set, is a folder kept after the trial for its logs (like
+    Harbor's trial folder).
     """
 
     path: Path

@@ -18,6 +18,7 @@ from ._errors import StateStorageFull
 from ._models import Reward, Rubric, StepResult, Trajectory, TrialSpec, Weights, World, _Frozen
 from ._protocols import Agent, Environment, Judge, JudgeContext, Sandbox, TrainContext, Trainer, TrialContext
 from ._sandbox._admission import budget
+from ._sandbox._bwrap import Mount
 from ._sandbox._process import Limits
 from ._sandbox._tools import SandboxTools
 from ._sandbox._uids import leased_uid_async
@@ -62,6 +63,12 @@ async def build_world(env: Environment, world_id: str, *, snapshots_dir: Path) -
     return World(world_id=world_id, root=str(root), content_sha256=content)
 
 
+# Where a trial's commands see its working copy: a name of the sandbox's own, never the copy's host
+# path (under the state folder or the system's temporary folder), which would show in `pwd` and in
+# the sandbox's mount table. An environment that sets its own mounts binds the copy where it likes.
+WORKSPACE = "/workspace"
+
+
 @unit(name="generate", version="4", tier="sandbox", retries=1, timeout_s=300.0)
 async def generate(
     env: Environment,
@@ -93,6 +100,7 @@ async def generate(
                 limits=limits,
                 uid=uid,
                 workspace=ws,
+                mounts=[Mount(source=ws.path, target=WORKSPACE, writable=True)],
                 files=await asyncio.to_thread(_files_folder, ctx, spec),  # off the loop all trials share
             )
             await env.setup(spec, box)
