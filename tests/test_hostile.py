@@ -843,9 +843,10 @@ def test_a_trials_mount_table_names_no_host_folder(cli: Cli, tmp_path: Path) -> 
     """A task that reads its own and its pid 1's /proc/.../mountinfo (on the host's system folders
     and on a built image) finds no host folder in them: not the state folder, the test's folder
     (the driver's working folder), the trials folder, the snapshot's content hash, the image
-    cache, the host's /root or /work. Each mount shows the sandbox's own layout: its folders,
-    bound from the trial's tmpfs, the image or the host's system folders, overlay layers named by
-    descriptor; of the host only the device name of its root filesystem (and sizes, see the docs)."""
+    cache, the host's /root or /work; nor does a RUN line of the image's build. Each mount shows
+    the sandbox's own layout: its folders, bound from the trial's tmpfs, the image or the host's
+    system folders, overlay layers named by descriptor; of the host only the device name of its
+    root filesystem (and sizes, uids and mount ids: see the docs)."""
     from durable_rl._sandbox._bwrap import host_etc
 
     tasks = tmp_path / "tasks"
@@ -853,9 +854,9 @@ def test_a_trials_mount_table_names_no_host_folder(cli: Cli, tmp_path: Path) -> 
     _task(
         tasks,
         "image-root",
-        _SHOW_MOUNTS,
+        _SHOW_MOUNTS + "cp /build.txt /logs/agent/build.txt\n",
         test=REWARD + 'echo 1 > "$R/reward.txt"\n',
-        environment__Dockerfile="FROM debian:bookworm\nWORKDIR /app\nRUN echo built > /built.txt\n",
+        environment__Dockerfile="FROM debian:bookworm\nWORKDIR /app\nRUN cat /proc/self/mountinfo > /build.txt\n",
     )
     proc = cli.run("train", "--run-id", "mounts", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
     assert proc.returncode == 0, proc.stderr
@@ -871,10 +872,12 @@ def test_a_trials_mount_table_names_no_host_folder(cli: Cli, tmp_path: Path) -> 
     )
     for name, trial in trials.items():
         assert trial["reward"] == 1.0, trial["error_message"]
-        for kept in ("self.txt", "pid1.txt"):
+        for kept in ("self.txt", "pid1.txt", *(["build.txt"] if name == "image-root" else [])):
             text = (Path(trial["info"]["files"]) / "agent" / kept).read_text()
             points = [line.split()[4] for line in text.splitlines()]
-            assert "/app" in points and "/logs/agent" in points and "/etc" in points, text
+            assert {"/", "/proc"} <= set(points) and (kept == "build.txt" or {"/app", "/logs/agent"} <= set(points)), (
+                text
+            )
             for host in forbidden:
                 assert host not in text, f"{name}/{kept} shows {host}:\n{text}"
             shown = {line: what for line in text.splitlines() if (what := _what_a_mount_shows(line, host_device))}
