@@ -180,7 +180,7 @@ def test_a_killed_sandbox_helper_stops_its_trials_and_never_frees_a_uid_a_proces
     cli: Cli, tmp_path: Path
 ) -> None:
     tasks = tmp_path / "tasks"
-    for i in range(3):  # long trials: each a sleep; a retry's ends with its 12 s agent timeout; all 3 fit the memory budget
+    for i in range(3):  # long sleeps (a retry ends at its 12 s agent timeout), small enough that all 3 fit the budget
         _task(tasks, f"long-{i}", "touch ok.txt\nsleep 1000\n", test=HONEST[1], agent_s=12, toml="storage_mb = 100\n")
     driver = cli.popen("train", "--run-id", "helper", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
     violations: list[tuple[int, list[int]]] = []
