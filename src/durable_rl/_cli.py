@@ -720,8 +720,13 @@ def watch(
 def export(
     run_id: Annotated[str, typer.Argument(help="The run to export.")],
     fmt: Annotated[
-        str, typer.Option("--format", help="jsonl, parquet, or hf (a Hugging Face datasets folder).")
-    ] = "jsonl",
+        str | None,
+        typer.Option(
+            "--format",
+            help="jsonl, parquet, or hf (a Hugging Face datasets folder); default: from --out's extension "
+            "(.jsonl or .json, .parquet, none for a folder), else jsonl.",
+        ),
+    ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", help="Where to write (default: .durable-rl/exports/RUN.*).")
     ] = None,
@@ -730,8 +735,9 @@ def export(
     from ._engine._store import state_dir
     from ._export import FORMATS, export_run
 
-    if fmt not in FORMATS:
+    if fmt is not None and fmt not in FORMATS:
         _fail(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    fmt = _export_format(fmt, out)
     store = _run_or_fail(_existing_store(), run_id)
     if out is not None and not out.resolve().parent.parent.is_dir():  # its folder may be made, not a tree
         _fail(f"--out {out}: the folder {out.resolve().parent.parent} does not exist")
@@ -745,6 +751,32 @@ def export(
     except OSError as e:
         _fail(f"--out {target}: cannot write it: {e.strerror or e}")
     print(f"exported {n} trials of {run_id} to {target}")
+
+
+# what an --out path's extension says it holds
+_EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+def _export_format(fmt: str | None, out: Path | None) -> str:
+    """The export's format: `--format`, else what --out names (a .jsonl or .json file, a .parquet
+    file, a folder or a new path without an extension for hf), else jsonl. A `--format` that
+    --out's extension (or existing folder) contradicts is bad input."""
+    if out is None:
+        return fmt or "jsonl"
+    named = "hf" if out.is_dir() else _EXTENSIONS.get(out.suffix.lower())
+    if fmt is None:
+        if named is None and not out.suffix and not out.exists():
+            return "hf"  # a folder to be made
+        if named is None:
+            _fail(
+                f"--out {out}: cannot tell the format from its name; "
+                "use .jsonl, .json, .parquet or a folder, or give --format"
+            )
+        return named
+    if named is not None and named != fmt:
+        what = "a folder" if named == "hf" else f"a {out.suffix} file"
+        _fail(f"--format {fmt} contradicts --out {out}, which names {what} ({named}); drop --format or rename --out")
+    return fmt
 
 
 @app.command()
