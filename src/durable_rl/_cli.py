@@ -686,6 +686,11 @@ def _show_metrics(rows: list[dict[str, Any]], as_json: bool) -> None:
     console().print(table)
 
 
+# `watch`'s exit code for how the run ended: what `train` exits with for that end (a run stopped
+# before its end, `resume` to finish it, is train's Ctrl-C; a failed or vanished run is 1)
+WATCH_CODES = {"succeeded": 0, "failed": 1, "interrupted": 130}
+
+
 @app.command()
 def watch(
     run_id: Annotated[str, typer.Argument(help="The run to follow.")],
@@ -708,12 +713,15 @@ def watch(
         _fail(str(e))
     tracking = Tracking(store, run_id, state_dir(_state.url, Path.cwd()), backends) if backends else None
     try:
-        watch_run(store, run_id, sys.stdout, as_json=as_json, on_step=tracking.log_new_steps if tracking else None)
+        end = watch_run(
+            store, run_id, sys.stdout, as_json=as_json, on_step=tracking.log_new_steps if tracking else None
+        )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     finally:
         if tracking is not None:
             tracking.close()
+    raise typer.Exit(WATCH_CODES.get(end, 1))
 
 
 @app.command()
