@@ -233,3 +233,45 @@ def test_the_cli_and_its_help_load_no_engine_database_or_model_library(argv: lis
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "", proc.stdout  # the probe's line: none of them loaded
+
+
+def _on_a_terminal(cli: Cli, columns: int, *args: str) -> str:
+    """What a pseudo-terminal of `columns` columns received from the command, its escapes removed."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {k: v for k, v in cli.env().items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen(cli.argv(*args), cwd=cli.cwd, env=env, stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    received = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the command closed the terminal
+            break
+        if not chunk:
+            break
+        received += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0, received
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", received.decode()).replace("\r", "")
+
+
+def test_runs_never_cuts_a_run_id(cli: Cli) -> None:
+    cli.json("train", "--run-id", "short", "--n-steps", "1", *FAST)
+    table = _on_a_terminal(cli, 80, "runs")
+    assert "┃ run " in table and "│ short " in table  # ids that fit: the table, other columns shrunk to fit
+    long_id = "a-run-id-longer-than-the-terminal-" + "0123456789" * 6 + "-end"  # 97 characters
+    cli.json("train", "--run-id", long_id, "--n-steps", "1", *FAST)
+    piped = cli.run("runs")
+    assert piped.returncode == 0, piped.stderr
+    assert [line for line in piped.stdout.splitlines() if long_id in line and "short" not in line]  # whole
+    assert any("│ short " in line for line in piped.stdout.splitlines())
+    shown = _on_a_terminal(cli, 80, "runs")
+    assert long_id in shown.splitlines() and "short" in shown.splitlines()  # each id whole, on its own line
+    assert "…" not in shown

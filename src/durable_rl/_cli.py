@@ -19,7 +19,7 @@ from ._errors import UserError
 from ._procs import exit_now
 from ._registry import Category, builtin_names
 from ._rubrics import builtin_rubrics
-from ._terminal import console, guard_standard_streams
+from ._terminal import console, guard_standard_streams, printable
 
 # A command imports what it needs when it runs: `--help` and a command that reads the record never
 # load the engine (DBOS), and only a command that opens a database loads its driver (SQLAlchemy).
@@ -532,7 +532,6 @@ def ledger(
 @app.command("runs")
 def list_runs(as_json: _JSON = False) -> None:
     """List the runs in the state database."""
-    from rich.table import Table
 
     store = _existing_store()
     rows = []
@@ -554,7 +553,19 @@ def list_runs(as_json: _JSON = False) -> None:
     if as_json:
         print(json.dumps(rows))
         return
+    _print_runs(rows)
+
+
+def _print_runs(rows: list[dict[str, Any]]) -> None:
+    """The runs as a table, their ids whole: through a pipe at the table's natural width; on a
+    terminal the other columns wrap or shrink to fit, and where that would cut an id, one block per
+    run (its id on a line of its own) instead of a table."""
+    from rich.measure import Measurement
+    from rich.table import Table
+
     table = Table("run", "status", "steps", "driver attempts", "started", "env", "rubric", "from")
+    for column in (table.columns[0], table.columns[-1]):  # run ids: never cut, never wrapped
+        column.no_wrap, column.overflow = True, "ignore"
     for row in rows:
         table.add_row(
             row["run_id"],
@@ -566,7 +577,29 @@ def list_runs(as_json: _JSON = False) -> None:
             row["rubric"],
             row["source_run"] or "",
         )
-    console().print(table)
+    out = console()
+    if not out.is_terminal:
+        console(width=Measurement.get(out, out.options.update_width(10**6), table).maximum).print(table)
+        return
+    with out.capture() as drawn:  # the table as the terminal's width lays it out: are the ids whole?
+        out.print(table)
+    lines = drawn.get().splitlines()
+    ids = {printable(i) for row in rows for i in (row["run_id"], row["source_run"]) if i}
+    if all(any(f" {i} " in line for line in lines) for i in ids):  # (a cell pads its text with spaces)
+        out.print(table)
+    else:
+        for row in rows:
+            out.print(row["run_id"], soft_wrap=True, highlight=False)  # (soft wrap: never cut to the width)
+            details = [
+                row["status"],
+                f"{row['steps_done']}/{row['n_steps']} steps",
+                f"driver attempts {row['driver_attempts']}",
+                f"started {row['started']}",
+                row["env"],
+                f"rubric {row['rubric']}",
+                *([f"from {row['source_run']}"] if row["source_run"] else []),
+            ]
+            out.print("  " + " · ".join(details), soft_wrap=True, highlight=False)
 
 
 @app.command()
