@@ -123,6 +123,23 @@ def test_train_prints_a_line_per_step_and_writes_a_report(cli: Cli) -> None:
     page = report.read_text()
     assert page.startswith("<!doctype html>") and "<svg" in page and "judge_calls" in page
     assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', page) and "<link" not in page  # self-contained
+    assert "faults injected" not in page  # a run with no faults lists none (not their "off" defaults)
+
+
+def test_a_failed_step_is_a_gap_in_the_report_not_a_reward_of_0(cli: Cli) -> None:
+    # no retries, half the sandboxes fail: step 0 keeps 2 of its 3 trials, step 1 none (the run fails there)
+    faults = ["--flaky-trial-rate", "0.5", "--set", "units.generate.retries=0", "--min-success-share", "0"]
+    proc = cli.run("train", "--run-id", "gap", "--n-steps", "3", "--n-samples", "1", *faults, *FAST)
+    assert proc.returncode == 1, proc.stderr
+    assert "step 1 failed: 0 of 3 trials succeeded" in proc.stdout
+    page = Path(proc.stdout.strip().splitlines()[-1].removeprefix("report: ")).read_text()
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+/\d+)</td><td>([^<]*)</td>", page)
+    assert rows == [("0", "2/3", rows[0][2]), ("1", "0/3", "failed")] and rows[0][2] != "failed", rows
+    line = re.search(r'<g id="mean-reward">(.*?)\n   </g>\n', page, re.S)
+    assert line is not None, "the plot has no mean reward line"
+    assert len(re.findall(r"<use ", line.group(1))) == 1  # a point for step 0 only: none for step 1 at 0.0
+    assert 'id="failed-step-1"' in page and 'id="failed-step-0"' not in page  # the failed step is marked
+    assert re.search(r"faults injected</td><td>flaky_trial_rate=0.5</td>", page)  # only the faults on
 
 
 def test_json_mode_prints_only_json_on_stdout(cli: Cli) -> None:
@@ -216,3 +233,45 @@ def test_the_cli_and_its_help_load_no_engine_database_or_model_library(argv: lis
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "", proc.stdout  # the probe's line: none of them loaded
+
+
+def _on_a_terminal(cli: Cli, columns: int, *args: str) -> str:
+    """What a pseudo-terminal of `columns` columns received from the command, its escapes removed."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {k: v for k, v in cli.env().items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen(cli.argv(*args), cwd=cli.cwd, env=env, stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    received = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the command closed the terminal
+            break
+        if not chunk:
+            break
+        received += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0, received
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", received.decode()).replace("\r", "")
+
+
+def test_runs_never_cuts_a_run_id(cli: Cli) -> None:
+    cli.json("train", "--run-id", "short", "--n-steps", "1", *FAST)
+    table = _on_a_terminal(cli, 80, "runs")
+    assert "┃ run " in table and "│ short " in table  # ids that fit: the table, other columns shrunk to fit
+    long_id = "a-run-id-longer-than-the-terminal-" + "0123456789" * 6 + "-end"  # 97 characters
+    cli.json("train", "--run-id", long_id, "--n-steps", "1", *FAST)
+    piped = cli.run("runs")
+    assert piped.returncode == 0, piped.stderr
+    assert [line for line in piped.stdout.splitlines() if long_id in line and "short" not in line]  # whole
+    assert any("│ short " in line for line in piped.stdout.splitlines())
+    shown = _on_a_terminal(cli, 80, "runs")
+    assert long_id in shown.splitlines() and "short" in shown.splitlines()  # each id whole, on its own line
+    assert "…" not in shown

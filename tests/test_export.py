@@ -139,3 +139,31 @@ def test_default_output_path(cli: Cli) -> None:
     proc = cli.run("export", "y")
     assert proc.returncode == 0
     assert (cli.cwd / ".durable-rl" / "exports" / "y.jsonl").is_file()
+
+
+def test_the_format_follows_the_out_extension(cli: Cli) -> None:
+    import datasets
+    import pyarrow.parquet as pq
+
+    cli.json("train", "--run-id", "e", "--n-steps", "1", *FAST)
+    for name in ("e.parquet", "e.jsonl", "e.json", "e-folder"):
+        proc = cli.run("export", "e", "--out", str(cli.cwd / name))
+        assert proc.returncode == 0, proc.stderr
+    assert pq.read_table(cli.cwd / "e.parquet").num_rows == 6  # Parquet, not JSON Lines under its name
+    for name in ("e.jsonl", "e.json"):
+        assert len([json.loads(line) for line in (cli.cwd / name).read_text().splitlines()]) == 6
+    assert len(datasets.load_from_disk(str(cli.cwd / "e-folder"))) == 6
+
+
+def test_a_format_the_extension_contradicts_writes_nothing(cli: Cli) -> None:
+    cli.json("train", "--run-id", "c", "--n-steps", "1", *FAST)
+    (cli.cwd / "folder").mkdir()
+    for fmt, name in (("jsonl", "c.parquet"), ("parquet", "c.jsonl"), ("hf", "c.json"), ("parquet", "folder")):
+        proc = cli.run("export", "c", "--format", fmt, "--out", str(cli.cwd / name))
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+        assert "contradicts" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    proc = cli.run("export", "c", "--out", str(cli.cwd / "c.csv"))  # an extension that names no format
+    assert proc.returncode == 2 and "--out" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in cli.cwd.iterdir() if p.name.startswith(("c.", "folder"))) == ["folder"]
+    assert list((cli.cwd / "folder").iterdir()) == []
+    assert not (cli.cwd / ".durable-rl" / "exports").exists()

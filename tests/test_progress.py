@@ -70,6 +70,9 @@ def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path: Path, to_g
     trials = trials_dir_for(tmp_path / "elsewhere")
     assert not trials.exists() or list(trials.iterdir()) == []  # working copies cleaned up on the way out
     assert cli.json("runs")[0]["status"] == "interrupted"
+    for json_flag in ([], ["--json"]):  # a watcher of the stopped run exits as train did
+        watched = cli.run("watch", "stopped", *json_flag, timeout=120)
+        assert watched.returncode == 130, watched.stderr
     assert not [e for e in store.events("stopped") if e["kind"].endswith("_failed")]  # a stop is not a failure
     out = cli.json("resume", "stopped")
     assert out["status"] == "succeeded" and figures(out) == CLEAN_V1
@@ -109,6 +112,28 @@ def test_watch_from_another_process_until_the_run_ends(cli: Cli) -> None:
     records = [json.loads(line) for line in follow.stdout.splitlines()]
     assert [r["step"] for r in records if r["type"] == "step"] == [0, 1, 2]
     assert records[-1]["type"] == "summary" and figures(records[-1]) == CLEAN_V1
+    step_lines = [line for line in follow.stdout.splitlines() if json.loads(line)["type"] == "step"]
+    for line, (_, _, n_trials, version) in zip(step_lines, CLEAN_V1, strict=True):
+        step = json.loads(line)
+        assert '\\"' not in line  # no JSON encoded as a string inside the line
+        record = step["record"]  # the step's trials and weights, once, as an object
+        assert set(record) == {"weights", "trials"} and step["weights_version"] == version
+        assert "version" not in record["weights"] and record["weights"]["value"]  # the figures stay on top
+        rewards = [t["reward"]["reward"] for t in record["trials"] if t["reward"] is not None]
+        assert len(record["trials"]) == step["n_specs"] and len(rewards) == step["n_trials"] == n_trials
+        assert round(sum(rewards) / len(rewards), 3) == step["mean_reward"]
+        assert all(set(t) == {"trial_id", "group", "reward", "info"} for t in record["trials"])
+        assert all(not {"trial_id", "group"} & set(t["reward"]) for t in record["trials"])
+
+
+def test_watch_exits_as_train_does_for_a_failed_run(cli: Cli) -> None:
+    faults = ["--flaky-trial-rate", "0.9", "--set", "units.generate.retries=0"]  # step 0 keeps no trial
+    train = cli.run("train", "--run-id", "f", "--n-steps", "2", *faults, *FAST)
+    assert train.returncode == 1 and "run f failed" in train.stdout, train.stderr
+    watched = cli.run("watch", "f", timeout=120)
+    assert watched.returncode == 1 and watched.stdout.strip().endswith("run f failed: 1/2 steps"), watched.stderr
+    follow = cli.run("watch", "f", "--json", timeout=120)
+    assert follow.returncode == 1 and json.loads(follow.stdout.splitlines()[-1])["status"] == "failed"
 
 
 @pytest.mark.postgres

@@ -161,3 +161,23 @@ def test_the_view_answers_only_requests_addressed_to_the_names_it_serves(cli: Cl
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def test_a_failed_step_is_no_reward_of_0_on_the_run_page(cli: Cli) -> None:
+    import re
+
+    # no retries, half the sandboxes fail: step 0 keeps 2 of its 3 trials, step 1 none (the run fails there)
+    faults = ["--flaky-trial-rate", "0.5", "--set", "units.generate.retries=0", "--min-success-share", "0"]
+    train = cli.run("train", "--run-id", "gap", "--n-steps", "3", "--n-samples", "1", *faults, *FAST)
+    assert train.returncode == 1 and "step 1 failed: 0 of 3 trials succeeded" in train.stdout, train.stderr
+    for url in _serve(cli):
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        status, body = _get(port, "127.0.0.1", "/runs/gap")
+        assert status == 200, body
+        page = body.decode()
+        assert re.search(r"<tr><td>1</td><td>0/3</td><td>failed</td>", page), page  # not 0.0
+        line = re.search(r'<g id="mean-reward">(.*?)\n   </g>\n', page, re.S)
+        assert line is not None and len(re.findall(r"<use ", line.group(1))) == 1  # a point for step 0 only
+        assert 'id="failed-step-1"' in page
+        status, body = _get(port, "127.0.0.1", "/")
+        assert status == 200 and re.search(rb"<td>failed</td>\s*</tr>", body), body  # its last mean reward

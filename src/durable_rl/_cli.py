@@ -19,7 +19,7 @@ from ._errors import UserError
 from ._procs import exit_now
 from ._registry import Category, builtin_names
 from ._rubrics import builtin_rubrics
-from ._terminal import console, guard_standard_streams
+from ._terminal import console, guard_standard_streams, printable
 
 # A command imports what it needs when it runs: `--help` and a command that reads the record never
 # load the engine (DBOS), and only a command that opens a database loads its driver (SQLAlchemy).
@@ -532,7 +532,6 @@ def ledger(
 @app.command("runs")
 def list_runs(as_json: _JSON = False) -> None:
     """List the runs in the state database."""
-    from rich.table import Table
 
     store = _existing_store()
     rows = []
@@ -554,7 +553,19 @@ def list_runs(as_json: _JSON = False) -> None:
     if as_json:
         print(json.dumps(rows))
         return
+    _print_runs(rows)
+
+
+def _print_runs(rows: list[dict[str, Any]]) -> None:
+    """The runs as a table, their ids whole: through a pipe at the table's natural width; on a
+    terminal the other columns wrap or shrink to fit, and where that would cut an id, one block per
+    run (its id on a line of its own) instead of a table."""
+    from rich.measure import Measurement
+    from rich.table import Table
+
     table = Table("run", "status", "steps", "driver attempts", "started", "env", "rubric", "from")
+    for column in (table.columns[0], table.columns[-1]):  # run ids: never cut, never wrapped
+        column.no_wrap, column.overflow = True, "ignore"
     for row in rows:
         table.add_row(
             row["run_id"],
@@ -566,7 +577,29 @@ def list_runs(as_json: _JSON = False) -> None:
             row["rubric"],
             row["source_run"] or "",
         )
-    console().print(table)
+    out = console()
+    if not out.is_terminal:
+        console(width=Measurement.get(out, out.options.update_width(10**6), table).maximum).print(table)
+        return
+    with out.capture() as drawn:  # the table as the terminal's width lays it out: are the ids whole?
+        out.print(table)
+    lines = drawn.get().splitlines()
+    ids = {printable(i) for row in rows for i in (row["run_id"], row["source_run"]) if i}
+    if all(any(f" {i} " in line for line in lines) for i in ids):  # (a cell pads its text with spaces)
+        out.print(table)
+    else:
+        for row in rows:
+            out.print(row["run_id"], soft_wrap=True, highlight=False)  # (soft wrap: never cut to the width)
+            details = [
+                row["status"],
+                f"{row['steps_done']}/{row['n_steps']} steps",
+                f"driver attempts {row['driver_attempts']}",
+                f"started {row['started']}",
+                row["env"],
+                f"rubric {row['rubric']}",
+                *([f"from {row['source_run']}"] if row["source_run"] else []),
+            ]
+            out.print("  " + " · ".join(details), soft_wrap=True, highlight=False)
 
 
 @app.command()
@@ -686,6 +719,11 @@ def _show_metrics(rows: list[dict[str, Any]], as_json: bool) -> None:
     console().print(table)
 
 
+# `watch`'s exit code for how the run ended: what `train` exits with for that end (a run stopped
+# before its end, `resume` to finish it, is train's Ctrl-C; a failed or vanished run is 1)
+WATCH_CODES = {"succeeded": 0, "failed": 1, "interrupted": 130}
+
+
 @app.command()
 def watch(
     run_id: Annotated[str, typer.Argument(help="The run to follow.")],
@@ -708,20 +746,28 @@ def watch(
         _fail(str(e))
     tracking = Tracking(store, run_id, state_dir(_state.url, Path.cwd()), backends) if backends else None
     try:
-        watch_run(store, run_id, sys.stdout, as_json=as_json, on_step=tracking.log_new_steps if tracking else None)
+        end = watch_run(
+            store, run_id, sys.stdout, as_json=as_json, on_step=tracking.log_new_steps if tracking else None
+        )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     finally:
         if tracking is not None:
             tracking.close()
+    raise typer.Exit(WATCH_CODES.get(end, 1))
 
 
 @app.command()
 def export(
     run_id: Annotated[str, typer.Argument(help="The run to export.")],
     fmt: Annotated[
-        str, typer.Option("--format", help="jsonl, parquet, or hf (a Hugging Face datasets folder).")
-    ] = "jsonl",
+        str | None,
+        typer.Option(
+            "--format",
+            help="jsonl, parquet, or hf (a Hugging Face datasets folder); default: from --out's extension "
+            "(.jsonl or .json, .parquet, none for a folder), else jsonl.",
+        ),
+    ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", help="Where to write (default: .durable-rl/exports/RUN.*).")
     ] = None,
@@ -730,8 +776,9 @@ def export(
     from ._engine._store import state_dir
     from ._export import FORMATS, export_run
 
-    if fmt not in FORMATS:
+    if fmt is not None and fmt not in FORMATS:
         _fail(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    fmt = _export_format(fmt, out)
     store = _run_or_fail(_existing_store(), run_id)
     if out is not None and not out.resolve().parent.parent.is_dir():  # its folder may be made, not a tree
         _fail(f"--out {out}: the folder {out.resolve().parent.parent} does not exist")
@@ -745,6 +792,32 @@ def export(
     except OSError as e:
         _fail(f"--out {target}: cannot write it: {e.strerror or e}")
     print(f"exported {n} trials of {run_id} to {target}")
+
+
+# what an --out path's extension says it holds
+_EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+def _export_format(fmt: str | None, out: Path | None) -> str:
+    """The export's format: `--format`, else what --out names (a .jsonl or .json file, a .parquet
+    file, a folder or a new path without an extension for hf), else jsonl. A `--format` that
+    --out's extension (or existing folder) contradicts is bad input."""
+    if out is None:
+        return fmt or "jsonl"
+    named = "hf" if out.is_dir() else _EXTENSIONS.get(out.suffix.lower())
+    if fmt is None:
+        if named is None and not out.suffix and not out.exists():
+            return "hf"  # a folder to be made
+        if named is None:
+            _fail(
+                f"--out {out}: cannot tell the format from its name; "
+                "use .jsonl, .json, .parquet or a folder, or give --format"
+            )
+        return named
+    if named is not None and named != fmt:
+        what = "a folder" if named == "hf" else f"a {out.suffix} file"
+        _fail(f"--format {fmt} contradicts --out {out}, which names {what} ({named}); drop --format or rename --out")
+    return fmt
 
 
 @app.command()

@@ -386,6 +386,27 @@ def progress_record(follower: Follower, now: float) -> dict[str, Any] | None:
     }
 
 
+def step_json(row: dict[str, Any]) -> dict[str, Any]:
+    """A recorded step as `watch --json` prints it: the step's figures once, at the top level, and
+    under `record` (an object) only what they leave out: the weights it acted with (their value
+    or checkpoint) and each trial's outcome (its reward and info; its error is in `failed_trials`)."""
+    record = json.loads(row["record"]) if row.get("record") else None
+    line: dict[str, Any] = {"type": "step", **{k: v for k, v in row.items() if k != "record"}}
+    if record is not None:
+        weights = {k: v for k, v in record["result"]["weights"].items() if k != "version"}
+        trials = [
+            {
+                "trial_id": t["trial_id"],
+                "group": t["group"],
+                "reward": t["reward"] and {k: v for k, v in t["reward"].items() if k not in ("trial_id", "group")},
+                "info": t["info"],
+            }
+            for t in record["trials"]
+        ]
+        line["record"] = {"weights": weights, "trials": trials}
+    return line
+
+
 def watch_run(
     store: Store,
     run_id: str,
@@ -393,22 +414,26 @@ def watch_run(
     *,
     as_json: bool,
     on_step: Callable[[dict[str, Any]], None] | None = None,
-) -> None:
+) -> str:
     """Follow a run from its record until it is no longer running: its step lines and progress as
-    `train` shows them, or with `as_json` one JSON object per line (steps, progress, then the summary)."""
+    `train` shows them, or with `as_json` one JSON object per line (steps, progress, then the summary).
+    Return how the run ended: succeeded, failed, interrupted (its driver gone), or gone (no record)."""
     follower = Follower(store, run_id)
     out = Printable.wrap(out)
+    end = "running"
 
     def ended() -> bool:
+        nonlocal end
         row = store.run(run_id)
-        return row is None or store.display_status(row) != "running"
+        end = "gone" if row is None else store.display_status(row)
+        return end != "running"
 
     if not as_json:
         print(f"watching run {run_id} ({follower.n_steps} steps) in {store.url}", file=out, flush=True)
         follow(follower, out, live=out.isatty(), until=ended, on_step=on_step)
         summary = store.summary(run_id)
         print(f"run {run_id} {summary['status']}: {len(summary['steps'])}/{follower.n_steps} steps", file=out)
-        return
+        return end
     last: dict[str, Any] | None = None
     while True:
         finishing = ended()
@@ -417,7 +442,7 @@ def watch_run(
         for n in range(before + 1, follower.last_step + 1):
             row = follower.steps[n].recorded
             if row is not None:
-                print(json.dumps({"type": "step", **row}), file=out, flush=True)
+                print(json.dumps(step_json(row)), file=out, flush=True)
                 if on_step is not None:
                     on_step(row)
         now = time.time()
@@ -428,5 +453,5 @@ def watch_run(
             last = comparable
         if finishing:
             print(json.dumps({"type": "summary", **store.summary(run_id)}), file=out, flush=True)
-            return
+            return end
         time.sleep(POLL_S)

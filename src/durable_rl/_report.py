@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -13,24 +14,54 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from ._faults import Faults
+
+
+def step_failed(step: dict[str, Any]) -> bool:
+    """Whether a recorded step failed (too few of its trials succeeded, so it did not train)."""
+    return bool(step.get("error"))
+
+
+def no_reward(step: dict[str, Any]) -> bool:
+    """Whether a step has no trial reward to average: its recorded mean (0.0) is not a reward."""
+    return step.get("n_trials") == 0
+
+
+def shown_reward(step: dict[str, Any]) -> Any:
+    """A step's mean reward for a table: `failed` for a failed step with no reward to average."""
+    return "failed" if no_reward(step) else step["mean_reward"]
+
 
 def plot_svg(steps: list[dict[str, Any]], metrics: list[dict[str, Any]] | None = None) -> str:
     """Mean reward per step (with the min-max band of its trials when `metrics` are given) and,
     when the run's trials take turns, mean turns: one panel each, each with a legend."""
     xs = [s["step"] for s in steps]
+    failed = [s["step"] for s in steps if step_failed(s)]
     with_turns = any(s["mean_turns"] for s in steps)
     fig, axes = plt.subplots(2 if with_turns else 1, 1, figsize=(6.5, 4.6 if with_turns else 2.8), sharex=True)
     reward_ax = axes[0] if with_turns else axes
-    reward_ax.plot(xs, [s["mean_reward"] for s in steps], marker="o", color="tab:blue", label="mean reward")
+    # a step with no successful trial has no mean (it is recorded as 0.0): a gap in the line
+    means = [math.nan if no_reward(s) else s["mean_reward"] for s in steps]
+    (line,) = reward_ax.plot(xs, means, marker="o", color="tab:blue", label="mean reward")
+    line.set_gid("mean-reward")
     by_step = {m["step"]: m["metrics"] for m in metrics or []}
-    lows = [by_step.get(x, {}).get("reward/min") for x in xs]
-    highs = [by_step.get(x, {}).get("reward/max") for x in xs]
+    lows = [by_step.get(s["step"], {}).get("reward/min", math.nan if no_reward(s) else None) for s in steps]
+    highs = [by_step.get(s["step"], {}).get("reward/max", math.nan if no_reward(s) else None) for s in steps]
     if metrics and all(v is not None for v in lows + highs):
         reward_ax.fill_between(xs, lows, highs, color="tab:blue", alpha=0.15, label="min-max of trials")
+    for ax in axes if with_turns else [reward_ax]:
+        for x in failed:  # marked across each panel, apart from any reward value
+            mark = ax.axvline(x, color="tab:red", linestyle=":", linewidth=1.2)
+            if ax is reward_ax:  # (an id names one element of the page)
+                mark.set_gid(f"failed-step-{x}")
+    if failed:
+        reward_ax.plot([], [], color="tab:red", linestyle=":", label="failed step")
     reward_ax.set_ylabel("reward")
     reward_ax.legend(loc="best", fontsize="small")
     if with_turns:
-        axes[1].plot(xs, [s["mean_turns"] for s in steps], marker="s", color="tab:orange", label="mean turns")
+        # a failed step records no turns either (it did not train on its trials)
+        turns = [math.nan if no_reward(s) or step_failed(s) else s["mean_turns"] for s in steps]
+        axes[1].plot(xs, turns, marker="s", color="tab:orange", label="mean turns")
         axes[1].set_ylabel("turns")
         axes[1].legend(loc="best", fontsize="small")
     (axes[-1] if with_turns else axes).set_xlabel("step")
@@ -49,6 +80,13 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def faults_on(faults: dict[str, Any]) -> dict[str, Any]:
+    """The recorded faults that inject something: each setting that differs from its default
+    (`crash_driver_at_step=-1` is off, as are a rate of 0 and no hanging trials)."""
+    off = Faults().model_dump()
+    return {k: v for k, v in faults.items() if k not in off or v != off[k]}
+
+
 def config_rows(config: dict[str, Any]) -> list[list[Any]]:
     """What a reader needs of a run's config: its plug-ins and their settings, the rubric, the
     loop's sizes, the faults it injected (only those set) and the run it re-scores."""
@@ -58,7 +96,7 @@ def config_rows(config: dict[str, Any]) -> list[list[Any]]:
         settings = ", ".join(f"{k}={v}" for k, v in sorted((choice.get("settings") or {}).items()))
         rows.append([section, choice.get("kind", "") + (f" ({settings})" if settings else "")])
     rows.append(["rubric", config["rubric"]["name"]])
-    faults = {k: v for k, v in (config.get("faults") or {}).items() if v not in (None, 0, 0.0, [], {})}
+    faults = faults_on(config.get("faults") or {})
     if faults:
         rows.append(["faults injected", ", ".join(f"{k}={v}" for k, v in sorted(faults.items()))])
     if config.get("source_run"):
@@ -110,7 +148,7 @@ def write_report(
         [
             s["step"],
             f"{s['n_trials']}/{s['n_specs']}",
-            s["mean_reward"],
+            shown_reward(s),
             *([s["mean_turns"]] if with_turns else []),
             f"v{s['weights_version']}",
             f"{s['wall_s']:.2f}",

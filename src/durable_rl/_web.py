@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from ._engine._store import Store
 from ._errors import UserError
-from ._report import config_rows, ledger_html, plot_svg
+from ._report import config_rows, ledger_html, no_reward, plot_svg, shown_reward
 from ._views import recorded, step_metrics, trial_details
 
 HOST = "127.0.0.1"
@@ -117,7 +117,7 @@ class Views:
                     _e(r.config["env"]["kind"]),
                     _e(r.config["rubric"]["name"]),
                     (_run_link(source) + compare) if source else "",
-                    f"{steps[-1]['mean_reward']}" if steps else "",
+                    _e(shown_reward(steps[-1])) if steps else "",
                 ]
             )
         if not rows:
@@ -137,7 +137,7 @@ class Views:
             [
                 str(s["step"]),
                 f"{s['n_trials']}/{s['n_specs']}",
-                f"{s['mean_reward']}",
+                _e(shown_reward(s)),
                 _e(by_step.get(s["step"], {}).get("reward/std")),
                 f"{s['mean_turns']}",
                 f"v{s['weights_version']}",
@@ -268,12 +268,13 @@ class Views:
         step_rows = []
         for n in sorted(set(sa_) | set(sb)):
             x, y = sa_.get(n), sb.get(n)
-            delta = round(y["mean_reward"] - x["mean_reward"], 3) if x and y else None
+            compared = x and y and not no_reward(x) and not no_reward(y)
+            delta = round(y["mean_reward"] - x["mean_reward"], 3) if x and y and compared else None
             step_rows.append(
                 [
                     str(n),
-                    _e(x and x["mean_reward"]),
-                    _e(y and y["mean_reward"]),
+                    _e(x and shown_reward(x)),
+                    _e(y and shown_reward(y)),
                     _e(delta),
                     _e(x and f"{x['n_trials']}/{x['n_specs']}"),
                     _e(y and f"{y['n_trials']}/{y['n_specs']}"),
