@@ -284,6 +284,8 @@ def _sandbox_leftovers() -> dict[int, list[int]]:
     return found
 
 
+@pytest.mark.root
+@pytest.mark.serial
 def test_every_attempt_is_refused_and_the_honest_trial_scores_1(
     cli: Cli, tmp_path: Path, loopback_service: tuple[int, str, list[str]]
 ) -> None:
@@ -338,6 +340,8 @@ def test_every_attempt_is_refused_and_the_honest_trial_scores_1(
     assert not trials_dir.exists() or [p.name for p in trials_dir.iterdir() if not p.name.startswith(".")] == []
 
 
+@pytest.mark.root
+@pytest.mark.serial
 def test_sigkill_of_the_whole_tree_leaves_no_sandbox_process_and_resume_reaps_first(cli: Cli, tmp_path: Path) -> None:
     tasks = tmp_path / "tasks"
     for i in range(3):

@@ -20,7 +20,7 @@ from durable_rl._procs import pid_alive
 from durable_rl._sandbox._uids import _LEASES, uid_held
 from durable_rl._sandbox._workspace import mounted_copies, publish_snapshot, sweep
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the helper serves root drivers: uids and mounts")
+pytestmark = [pytest.mark.root, pytest.mark.process]  # the helper serves root drivers: uids and mounts
 
 _PRELUDE = """
 import asyncio, json, os, sys, threading
