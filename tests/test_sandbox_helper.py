@@ -168,6 +168,7 @@ def test_a_driver_killed_takes_its_helper_and_leases_with_it_and_sweep_removes_i
     assert not _mounted(out["path"]) and leftover_copies(tmp_path / "trials", within_s=0) == []
 
 
+@pytest.mark.serial  # sweeps every dead process's copies from the machine's mount table
 def test_a_benchmark_first_removes_the_copies_a_killed_process_left_mounted_where_no_driver_returns(
     tmp_path: Path, snapshot: Path
 ) -> None:

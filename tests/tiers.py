@@ -5,11 +5,12 @@ process: `process` (it starts another process: the CLI, a driver, a sandboxed co
 `root`, `postgres`, or an extra (`flyte`, `skyrl`, `trl`, `torch`). `slow` itself is added
 here, so `pytest -m "not slow"` is the fast tier: no subprocess, no root, no database server,
 no extra. `serial` marks the tests that read machine-wide state (every process of the sandbox
-uids, every slirp4netns on the machine): `make test` runs them alone, after the parallel part.
+uids, every slirp4netns, the mount table): `make test` runs them alone, after the parallel part.
 
 Marks come from what a test uses, so they stay true as tests change: a test that requests a
 fixture that drives the CLI or a PostgreSQL database, or that is parametrized on PostgreSQL, is
-marked here; a module whose every test starts processes says so in its `pytestmark`.
+marked here; any other test that starts a process carries `@pytest.mark.process` (its module's
+`pytestmark` when every test of it does), and the guard below finds the ones that do not.
 
 The guard: every test without the `process` mark runs with process creation refused (fork,
 exec, posix_spawn, and everything built on them: `subprocess`, `asyncio`'s subprocesses,
@@ -40,6 +41,9 @@ NEEDS = ("process", "root", "postgres", "flyte", "skyrl", "trl", "torch")
 # Fixtures whose tests drive the real CLI or a driver as subprocesses (conftest's and the modules').
 PROCESS_FIXTURES = {"cli", "pg_cli", "kept", "oracle_run", "flyte_cli", "user"}
 POSTGRES_FIXTURES = {"pg_cli"}
+# Module-scoped fixtures that make one run for all of a module's tests: its tests stay on one
+# xdist worker (`--dist loadgroup`), or each worker would make the run again.
+SHARED_FIXTURES = {"kept", "oracle_run"}
 POSTGRES_PARAMS = {"postgres", "postgresql"}
 # The modules an extra's tests import: missing, the test is skipped.
 EXTRA_MODULES = {
@@ -122,6 +126,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.process)
         if fixtures & POSTGRES_FIXTURES or params & POSTGRES_PARAMS:
             item.add_marker(pytest.mark.postgres)
+        if fixtures & SHARED_FIXTURES and config.pluginmanager.hasplugin("xdist"):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         needs = [name for name in NEEDS if item.get_closest_marker(name) is not None]
         if needs:
             item.add_marker(pytest.mark.slow)
