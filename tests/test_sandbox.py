@@ -434,6 +434,7 @@ def test_small_file_operations_run_in_place_until_some_in_a_row_are_slow_then_in
     assert len((tmp_path / "big.txt").read_text()) == READ_FILE_LIMIT + 1
 
 
+@pytest.mark.root
 def test_trials_folder_under_tmp_made_first_by_someone_else_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -600,6 +601,7 @@ def test_network_on_reaches_out_but_not_the_hosts_loopback(tmp_path: Path) -> No
     assert r.isolation[1] == "slirp4netns"
 
 
+@pytest.mark.root
 def test_a_mount_through_a_link_a_trial_planted_is_refused(tmp_path: Path) -> None:
     from durable_rl._sandbox import Mount, SandboxRefused
 
@@ -616,6 +618,7 @@ def test_a_mount_through_a_link_a_trial_planted_is_refused(tmp_path: Path) -> No
         Mount(source=tmp_path, target="/proc/1")
 
 
+@pytest.mark.root
 def test_reading_a_trials_file_never_follows_blocks_or_overreads(tmp_path: Path) -> None:
     from durable_rl._sandbox._tools import read_untrusted
 
@@ -633,6 +636,7 @@ def test_reading_a_trials_file_never_follows_blocks_or_overreads(tmp_path: Path)
     assert read_untrusted(secret, 64) == "0.4242"
 
 
+@pytest.mark.root
 def test_task_folders_are_copied_without_following_links(tmp_path: Path) -> None:
     from durable_rl._sandbox._workspace import copy_tree_safely
 
@@ -753,6 +757,7 @@ def test_a_method_probe_cut_off_by_a_kill_is_swept_and_a_live_one_is_not(tmp_pat
     assert not cut_off.exists() and live.exists()
 
 
+@pytest.mark.root
 def test_a_trial_cancelled_while_its_uid_is_leased_gives_the_uid_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """The async lease (a thread takes it, off the event loop) may finish after its trial was
     cancelled (a stop, a timeout): the uid it took is given back, not held until the process exits."""
