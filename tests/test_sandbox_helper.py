@@ -92,6 +92,7 @@ def test_the_helper_leases_makes_and_removes_and_a_trial_sees_no_difference(tmp_
     assert all((_LEASES / str(t["uid"])).read_bytes() == b"free\n" for t in trials)
 
 
+@pytest.mark.serial  # compares the machine's held uid leases before and after: another run's would count
 def test_a_trial_cancelled_while_the_helper_works_for_it_leaves_no_lease_or_copy(
     tmp_path: Path, snapshot: Path
 ) -> None:
