@@ -58,7 +58,10 @@ _OWN_BASETEMP = pytest.StashKey[str]()
 
 @pytest.fixture(autouse=True, scope="session")
 def _passable_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
-    tmp_path_factory.getbasetemp().chmod(0o711)  # pytest makes it anew, 0700
+    base = tmp_path_factory.getbasetemp()
+    base.chmod(0o711)  # pytest makes it anew, 0700
+    if os.environ.get("PYTEST_XDIST_WORKER") and base.name.startswith("popen-"):
+        base.parent.chmod(0o711)  # an xdist worker's base is a folder of the session's, which pytest made 0700 too
 
 
 @dataclass
