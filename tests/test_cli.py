@@ -210,6 +210,7 @@ def test_help_names_every_builtin_the_registry_has(cli: Cli) -> None:
 HEAVY = ("dbos", "sqlalchemy", "matplotlib", "openai", "starlette", "flyte", "yaml", "durable_rl._engine._store")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv", [None, ["--help"], ["train", "--help"], ["show", "--help"]])
 def test_the_cli_and_its_help_load_no_engine_database_or_model_library(argv: list[str] | None) -> None:
     """`import durable_rl._cli` and `--help` import only what parsing needs: the engine, the

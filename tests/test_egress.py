@@ -182,6 +182,7 @@ def test_a_dns_answer_is_read_for_its_addresses() -> None:
     assert question(loop) is None
 
 
+@pytest.mark.process
 def test_what_a_killed_driver_left_in_the_filter_is_swept_by_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

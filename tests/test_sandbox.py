@@ -798,6 +798,7 @@ def test_a_trial_cancelled_while_its_uid_is_leased_gives_the_uid_back(monkeypatc
     assert all((_uids._LEASES / str(u)).read_bytes() == b"free\n" for u in taken)
 
 
+@pytest.mark.process
 def test_a_trials_processes_together_are_bounded_by_memory_mb(tmp_path: Path) -> None:
     """Each of three processes stays under the per-process limit; together they pass the
     command's memory cgroup (memory_mb plus its storage quota), which kills them: reported as

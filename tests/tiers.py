@@ -39,11 +39,16 @@ import pytest
 NEEDS = ("process", "root", "postgres", "flyte", "skyrl", "trl", "torch")
 
 # Fixtures whose tests drive the real CLI or a driver as subprocesses (conftest's and the modules').
-PROCESS_FIXTURES = {"cli", "pg_cli", "kept", "oracle_run", "flyte_cli", "user"}
+PROCESS_FIXTURES = {"cli", "pg_cli", "kept", "oracle_run", "flyte_cli", "user", "lab"}
 POSTGRES_FIXTURES = {"pg_cli"}
 # Module-scoped fixtures that make one run for all of a module's tests: its tests stay on one
 # xdist worker (`--dist loadgroup`), or each worker would make the run again.
 SHARED_FIXTURES = {"kept", "oracle_run"}
+# Fixtures that hold a machine-wide resource behind a lock (the network lab's fixed addresses):
+# their tests share one xdist worker, rather than one worker waiting on the other's lock.
+MACHINE_FIXTURES = {"lab": "network-lab"}
+# Fixtures that need root (the lab's namespace and routes) and start processes (`ip`, listeners).
+ROOT_FIXTURES = {"lab"}
 POSTGRES_PARAMS = {"postgres", "postgresql"}
 # The modules an extra's tests import: missing, the test is skipped.
 EXTRA_MODULES = {
@@ -126,8 +131,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.process)
         if fixtures & POSTGRES_FIXTURES or params & POSTGRES_PARAMS:
             item.add_marker(pytest.mark.postgres)
-        if fixtures & SHARED_FIXTURES and config.pluginmanager.hasplugin("xdist"):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        if fixtures & ROOT_FIXTURES:
+            item.add_marker(pytest.mark.root)
+        if config.pluginmanager.hasplugin("xdist"):
+            if fixtures & SHARED_FIXTURES:
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            for name in sorted(fixtures & MACHINE_FIXTURES.keys()):
+                item.add_marker(pytest.mark.xdist_group(MACHINE_FIXTURES[name]))
         needs = [name for name in NEEDS if item.get_closest_marker(name) is not None]
         if needs:
             item.add_marker(pytest.mark.slow)
