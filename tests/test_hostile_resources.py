@@ -100,6 +100,7 @@ sleep 2
 HONEST = ("touch ok.txt\n", REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n')
 
 
+@pytest.mark.serial  # watches the free space of /tmp and the state disk: any other test writes there too
 def test_fallocate_and_a_flood_on_fd_1_and_2_take_no_host_disk_and_the_record_says_truncated(
     cli: Cli, tmp_path: Path, free_space: FreeSpace
 ) -> None:

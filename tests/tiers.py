@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import platform
+import posix
 import socket
 import subprocess
 from collections.abc import Callable, Generator
@@ -111,8 +112,12 @@ def _install_guard() -> None:
     if getattr(subprocess, "_fork_exec", None) is not None:  # subprocess's own reference to it
         subprocess._fork_exec = _refusing("fork_exec", subprocess._fork_exec)  # type: ignore[attr-defined]
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
-        if hasattr(os, name):
-            setattr(os, name, _refusing(name, getattr(os, name)))
+        if hasattr(posix, name):
+            # in `posix` too, where pickle finds these by name: a test that pickles os.system
+            # (a hostile record's payload) must get the one `os` holds
+            guarded = _refusing(name, getattr(posix, name))
+            setattr(posix, name, guarded)
+            setattr(os, name, guarded)
 
 
 def pytest_configure(config: pytest.Config) -> None:
