@@ -575,6 +575,7 @@ def test_a_tasks_env_never_takes_a_driver_variable_the_user_did_not_pass(
     assert _Runtime(load_task(dflt), None, None, ()).env["K"] == "not given"
 
 
+@pytest.mark.process
 def test_the_sandboxs_etc_holds_no_private_key_folder_and_widens_no_mode() -> None:
     from durable_rl._sandbox._bwrap import _GENERATED_ETC, host_etc
 

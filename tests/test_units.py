@@ -150,6 +150,7 @@ def test_the_verifier_never_follows_a_link_the_agent_left(tmp_path: Path) -> Non
     assert traj.verdict is not None and not traj.verdict.passed and traj.verdict.details["answer"] is None
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="the overlay copy and the sandbox's own /etc need root")
 def test_a_trials_commands_see_their_copy_at_workspace_and_no_host_folder(tmp_path: Path) -> None:
     """The agent's commands start in /workspace, their copy of the world, and neither `pwd` nor
