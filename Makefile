@@ -1,10 +1,14 @@
-# One command for the demo, one for the tests; each sets up .venv first if it is missing.
+# One command for the demo, one for the tests; each sets up .venv first if it is missing:
+# the demo the core alone (a few hundred MB), the tests the extras on top (torch, SkyRL, TRL: GBs).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+CORE := $(VENV)/.core
 STAMP := $(VENV)/.installed
+# `make test` runs the suite on this many workers (pytest-xdist): `auto` is one per core
+JOBS ?= auto
 
-.PHONY: demo ui test check lint bench clean
+.PHONY: demo ui test test-fast check lint bench clean
 
 # The sandbox runs every trial command under bubblewrap (slirp4netns for tasks with network):
 # installed here when missing and this is a root Debian/Ubuntu machine; otherwise one line says what to install.
@@ -15,11 +19,17 @@ $(SANDBOX_TOOLS):
 		{ apt-get update -qq && apt-get install -y -qq bubblewrap slirp4netns >/dev/null; }; fi
 	@test -x $@ || { echo "durable-rl: the sandbox needs bubblewrap and slirp4netns: install them (apt-get install bubblewrap slirp4netns)" >&2; exit 1; }
 
-$(STAMP): pyproject.toml | $(SANDBOX_TOOLS)
+# The core: what `durable-rl` and the demo need.
+$(CORE): pyproject.toml | $(SANDBOX_TOOLS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $(CORE)
+
+# On top of the core, what the tests need: the dev tools and every extra, whose tests run in CI too
+# (the tracking backends, export, Flyte, the GRPO trainer, the SkyRL and TRL adapters).
+$(STAMP): $(CORE)
 	$(BIN)/pip install --quiet torch==2.13.0  # first and exact: the CPU wheel, not gigabytes of CUDA
-	# the extras' tests run in CI too: the GRPO trainer, the SkyRL and TRL adapters
 	$(BIN)/pip install --quiet -e '.[dev,train,skyrl,trl]'
 	touch $(STAMP)
 
@@ -30,7 +40,7 @@ debootstrap:
 		apt-get install -y -qq debootstrap >/dev/null; } || \
 		echo "make: Harbor tasks with a Dockerfile need debootstrap: install it (apt-get install debootstrap)"
 
-demo: $(STAMP)
+demo: $(CORE)
 	rm -f .durable-rl/demo.sqlite .durable-rl/demo.sqlite-wal .durable-rl/demo.sqlite-shm  # a fresh demo database: its failures really happen
 	cd $(CURDIR) && $(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite train \
 		--crash-driver-at-step 1 --flaky-trial-rate 0.25 --judge-flake-rate 0.3
@@ -39,11 +49,18 @@ demo: $(STAMP)
 		--tasks examples/harbor-tasks --agent oracle --n-steps 1 --n-samples 1
 	@echo "see the runs, their steps and every trial's trajectory: make ui (then open http://127.0.0.1:8765/)"
 
-ui: $(STAMP)
+ui: $(CORE)
 	$(BIN)/durable-rl --db sqlite:///$(CURDIR)/.durable-rl/demo.sqlite ui
 
+# The whole suite: in parallel, then the few tests that read machine-wide state (every sandbox
+# process) alone. Tests that share a module-wide fixture (one run read by many) stay on one worker.
 test: $(STAMP) debootstrap
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(JOBS) --dist loadgroup -m "not serial"
+	$(BIN)/pytest -q -m serial
+
+# The fast tier: no subprocess, no root, no database server, no extra (tests/tiers.py).
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -20,6 +20,8 @@ import pytest
 
 from durable_rl._sandbox._workspace import _unmount, mount_points
 
+pytest_plugins = ["tiers", "pytester"]  # the tiers and the guard on the fast one; pytester tests them
+
 # The spec's figures for the default run (n_steps=3, 3 worlds, 3 prompts x 2 samples, lr 2.0).
 CLEAN_V1 = [(1.601, 4.67, 6, 1), (2.323, 2.17, 6, 2), (2.352, 1.67, 6, 3)]
 CLEAN_V2 = [(2.391, 4.67, 6, 1), (3.299, 1.83, 6, 2), (3.343, 1.67, 6, 3)]
@@ -56,7 +58,10 @@ _OWN_BASETEMP = pytest.StashKey[str]()
 
 @pytest.fixture(autouse=True, scope="session")
 def _passable_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
-    tmp_path_factory.getbasetemp().chmod(0o711)  # pytest makes it anew, 0700
+    base = tmp_path_factory.getbasetemp()
+    base.chmod(0o711)  # pytest makes it anew, 0700
+    if os.environ.get("PYTEST_XDIST_WORKER") and base.name.startswith("popen-"):
+        base.parent.chmod(0o711)  # an xdist worker's base is a folder of the session's, which pytest made 0700 too
 
 
 @dataclass

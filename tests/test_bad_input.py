@@ -204,6 +204,8 @@ def _mount_tmpfs(where: Path, size: str) -> Callable[[], None]:
     return lambda: subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@pytest.mark.root
+@pytest.mark.process
 def test_a_full_disk_or_a_read_only_state_folder_is_one_line_and_loses_nothing(tmp_path: Path) -> None:
     assert os.geteuid() == 0, "this test mounts a small tmpfs: run the suite as root, as CI does"
     state = tmp_path / "state"
@@ -230,6 +232,8 @@ def test_a_full_disk_or_a_read_only_state_folder_is_one_line_and_loses_nothing(t
         unmount()
 
 
+@pytest.mark.root
+@pytest.mark.process
 def test_a_disk_that_fills_mid_run_stops_it_with_one_line_and_resume_finishes_it(tmp_path: Path) -> None:
     from conftest import CLEAN_V1, figures
 

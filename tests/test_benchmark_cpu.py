@@ -56,6 +56,7 @@ done("cli")
 """
 
 
+@pytest.mark.process
 def test_the_cpu_reading_counts_each_role_and_each_moment_of_a_tree_laid_out_as_a_run(tmp_path: Path) -> None:
     script = tmp_path / "tree.py"
     script.write_text(textwrap.dedent(TREE))

@@ -70,6 +70,7 @@ def test_bad_input_leaves_earlier_runs_intact(cli: Cli) -> None:
     assert [r["run_id"] for r in cli.json("runs")] == ["kept"]
 
 
+@pytest.mark.process
 def test_a_file_that_is_not_a_state_database_is_refused(tmp_path: Path) -> None:
     junk = tmp_path / "junk.sqlite"
     junk.write_text("this is not a database\n" * 100)
@@ -81,6 +82,7 @@ def test_a_file_that_is_not_a_state_database_is_refused(tmp_path: Path) -> None:
     assert junk.read_text() == "this is not a database\n" * 100
 
 
+@pytest.mark.process
 def test_an_unrelated_sqlite_database_is_refused(tmp_path: Path) -> None:
     import sqlite3
 
@@ -93,6 +95,7 @@ def test_an_unrelated_sqlite_database_is_refused(tmp_path: Path) -> None:
     assert "other tables" in _one_clean_line(proc.stderr)
 
 
+@pytest.mark.process
 def test_unsupported_url_is_refused(tmp_path: Path) -> None:
     proc = Cli(tmp_path, "mysql://localhost/x").run("runs")
     assert proc.returncode == 2
@@ -224,6 +227,7 @@ def test_help_names_every_builtin_the_registry_has(cli: Cli) -> None:
 HEAVY = ("dbos", "sqlalchemy", "matplotlib", "openai", "starlette", "flyte", "yaml", "durable_rl._engine._store")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv", [None, ["--help"], ["train", "--help"], ["show", "--help"]])
 def test_the_cli_and_its_help_load_no_engine_database_or_model_library(argv: list[str] | None) -> None:
     """`import durable_rl._cli` and `--help` import only what parsing needs: the engine, the

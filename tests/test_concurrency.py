@@ -204,6 +204,7 @@ def test_a_process_with_another_thread_never_forks_a_driver(tmp_path: Path) -> N
     assert not (tmp_path / "unused.sqlite").exists()  # nothing ran
 
 
+@pytest.mark.process
 def test_drivers_racing_for_a_lease_at_the_same_instant_get_one_holder(tmp_path: Path) -> None:
     """Eight processes ask for one run's lease at the same instant, five times over: each time
     exactly one holds it (on SQLite a read-then-write lease let two drivers both take it)."""
@@ -252,6 +253,7 @@ print("ok")
 """
 
 
+@pytest.mark.process
 def test_processes_making_one_new_sqlite_database_at_once_and_one_looking_all_find_it_whole(
     tmp_path: Path,
 ) -> None:

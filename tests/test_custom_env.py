@@ -113,6 +113,7 @@ def test_rescore_with_the_users_rubric_file_reuses_rollouts(user: Cli) -> None:
     assert recorded == {"base": "log-count-v1", "strict": "log-count-strict"}
 
 
+@pytest.mark.process
 def test_a_plugin_that_cannot_be_imported_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     cli = Cli(tmp_path, f"sqlite:///{tmp_path / '.durable-rl' / 'state.sqlite'}")
     for args, says in (
@@ -132,6 +133,7 @@ def test_a_plugin_that_cannot_be_imported_is_refused_before_anything_is_written(
     assert not (tmp_path / ".durable-rl").exists()
 
 
+@pytest.mark.process
 def test_the_readme_minimal_environment_trains(tmp_path: Path) -> None:
     cli = Cli(EXAMPLE.parent / "minimal", f"sqlite:///{tmp_path / 'state.sqlite'}")
     out = cli.json("train", "--env", "greet:Greet", "--n-steps", "1", "--run-id", "g")

@@ -139,6 +139,7 @@ def test_a_wildcard_admits_what_its_names_resolve_to_and_other_names_never_leave
     assert {line.split(" ", 2)[2] for line in lab.reached()} == {"dns api.lab.test", f"direct {SNOOPED}"}
 
 
+@pytest.mark.process
 def test_a_network_on_command_whose_filter_cannot_be_installed_never_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -182,6 +183,7 @@ def test_a_dns_answer_is_read_for_its_addresses() -> None:
     assert question(loop) is None
 
 
+@pytest.mark.process
 def test_what_a_killed_driver_left_in_the_filter_is_swept_by_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

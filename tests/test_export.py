@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import FAST, Cli
 
 from durable_rl._engine._store import Store
@@ -106,6 +107,7 @@ def test_a_harbor_run_with_skipped_trials(cli: Cli) -> None:
     assert rows["s0-text-search-n0"]["reward"] == 1.0 and rows["s0-text-search-n0"]["judge_model"] is None
 
 
+@pytest.mark.process
 def test_a_custom_environment_run(tmp_path: Path) -> None:
     user = Cli(EXAMPLE, f"sqlite:///{tmp_path / 'state.sqlite'}")
     user.json(

@@ -71,6 +71,7 @@ def _wait_for(check: Callable[[], bool], timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.process
 def test_flyte_runs_the_default_run_with_the_dbos_engines_figures(tmp_path: Path) -> None:
     dbos, flyte = _cli(tmp_path / "dbos"), _cli(tmp_path / "flyte")
     by_dbos = dbos.json("train", "--run-id", "d", *FAST)
@@ -106,6 +107,7 @@ def test_flyte_runs_the_default_run_with_the_dbos_engines_figures(tmp_path: Path
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "args",
     [
@@ -233,6 +235,7 @@ def test_sigkilled_mid_run_then_resumed_reuses_the_cache_and_never_pays_the_judg
     assert out["counters"]["driver_attempts"] == 2
 
 
+@pytest.mark.process
 def test_each_task_is_declared_by_its_units_at_unit() -> None:
     from durable_rl import _units as units
     from durable_rl import policy_of

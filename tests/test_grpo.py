@@ -59,6 +59,7 @@ def _adapter_of_step(tmp: Path, name: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.process
 def test_the_pure_step_gives_the_same_adapter_bytes_in_another_process(tmp_path: Path) -> None:
     first, second = _adapter_of_step(tmp_path, "a"), _adapter_of_step(tmp_path, "b")
     assert len(first) == 64 and first == second
@@ -134,6 +135,7 @@ def _largest_recorded_row(cli: Cli) -> int:
     return largest
 
 
+@pytest.mark.process
 def test_recorded_inputs_stay_small_as_the_model_grows(tmp_path: Path) -> None:
     sizes = {}
     for name, hidden in (("small", 32), ("large", 192)):
@@ -154,6 +156,7 @@ def test_recorded_inputs_stay_small_as_the_model_grows(tmp_path: Path) -> None:
     assert large_row < 64_000 and large_row < small_row + 200, sizes  # ... what the record holds did not
 
 
+@pytest.mark.process
 def test_stateful_trainer_survives_kills_and_equals_the_pure_mode(tmp_path: Path) -> None:
     pure = _cli(tmp_path, "pure")
     out = pure.json("train", "--config", str(_write_run(pure.cwd, 3, {})), "--run-id", "r")

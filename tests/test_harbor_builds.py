@@ -24,10 +24,14 @@ from durable_rl._harbor_image import BUILD_UID, _lock_path, base_folder, base_ro
 
 REWARD = 'R=/logs/verifier; mkdir -p "$R"\n'
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("debootstrap") is None or not os.access("/usr/bin/bwrap", os.X_OK),
-    reason="Dockerfile builds need root (overlay mounts), debootstrap and bubblewrap",
-)
+pytestmark = [
+    # the builds run as one uid, whose `sleep 1000` processes these tests count machine-wide: one worker
+    pytest.mark.xdist_group("harbor-builds"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("debootstrap") is None or not os.access("/usr/bin/bwrap", os.X_OK),
+        reason="Dockerfile builds need root (overlay mounts), debootstrap and bubblewrap",
+    ),
+]
 
 
 @pytest.fixture

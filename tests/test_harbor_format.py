@@ -302,6 +302,7 @@ def test_a_cached_image_whose_base_is_gone_or_remade_is_built_again(tmp_path: Pa
     assert _load(folder) is None
 
 
+@pytest.mark.process
 def test_what_a_killed_build_left_is_cleared_by_the_next_build(tmp_path: Path) -> None:
     """A build SIGKILLed mid-way leaves its staging layer (the overlay still mounted) and maybe a
     finished layer not yet in place; the next build in that cache removes both (no one holds their

@@ -97,6 +97,7 @@ def test_multi_step_rewards_and_the_image_build_are_shown(oracle_run: tuple[Cli,
     assert shown == [image, "cached"]
 
 
+@pytest.mark.process
 def test_nop_scores_zero_where_the_oracle_scores_one(tmp_path: Path) -> None:
     cli = Cli(tmp_path, f"sqlite:///{tmp_path / '.durable-rl' / 'state.sqlite'}")
     cli.json(

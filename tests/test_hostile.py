@@ -284,6 +284,8 @@ def _sandbox_leftovers() -> dict[int, list[int]]:
     return found
 
 
+@pytest.mark.root
+@pytest.mark.serial
 def test_every_attempt_is_refused_and_the_honest_trial_scores_1(
     cli: Cli, tmp_path: Path, loopback_service: tuple[int, str, list[str]]
 ) -> None:
@@ -338,6 +340,8 @@ def test_every_attempt_is_refused_and_the_honest_trial_scores_1(
     assert not trials_dir.exists() or [p.name for p in trials_dir.iterdir() if not p.name.startswith(".")] == []
 
 
+@pytest.mark.root
+@pytest.mark.serial
 def test_sigkill_of_the_whole_tree_leaves_no_sandbox_process_and_resume_reaps_first(cli: Cli, tmp_path: Path) -> None:
     tasks = tmp_path / "tasks"
     for i in range(3):
@@ -408,6 +412,7 @@ def _replay_copy(args: str, root: Path, context: Path, workdir: str | None = Non
     asyncio.run(_apply(1, "COPY", args, state, root, context, 60.0, None))
 
 
+@pytest.mark.root
 def test_a_dockerfile_copy_never_writes_outside_the_layer(tmp_path: Path) -> None:
     from durable_rl._harbor_image import BuildError
 
@@ -467,6 +472,7 @@ def test_an_image_workdir_made_a_link_is_never_followed(tmp_path: Path) -> None:
     assert list(work.iterdir()) == []
 
 
+@pytest.mark.root
 def test_a_restored_artifact_never_writes_through_a_link_of_the_fresh_copy(tmp_path: Path) -> None:
     from durable_rl._harbor import _copy_tree_as
     from durable_rl._harbor_trial import TaskError, chown_tree
@@ -569,6 +575,7 @@ def test_a_tasks_env_never_takes_a_driver_variable_the_user_did_not_pass(
     assert _Runtime(load_task(dflt), None, None, ()).env["K"] == "not given"
 
 
+@pytest.mark.process
 def test_the_sandboxs_etc_holds_no_private_key_folder_and_widens_no_mode() -> None:
     from durable_rl._sandbox._bwrap import _GENERATED_ETC, host_etc
 
@@ -584,6 +591,7 @@ def test_the_sandboxs_etc_holds_no_private_key_folder_and_widens_no_mode() -> No
         assert widened == 0, f"{rel}: {oct(widened)} added to the host's mode"
 
 
+@pytest.mark.root
 def test_a_run_line_that_made_root_a_link_fails_the_build_at_that_line(tmp_path: Path) -> None:
     """The next RUN line binds the image's /root: a link there (`RUN rm -rf /root && ln -s /x /root`)
     is refused by the sandbox, and the build says which line could not run, as for any failed line."""

@@ -24,7 +24,10 @@ from durable_rl._sandbox._uids import processes_of
 from durable_rl._sandbox._workspace import remove_tree, trials_dir_for
 from durable_rl._views import recorded
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks run as root, as the red team ran them")
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the attacks run as root, as the red team ran them"),
+]
 MB = 1 << 20
 
 
@@ -97,6 +100,7 @@ sleep 2
 HONEST = ("touch ok.txt\n", REWARD + 'test -f ok.txt && echo 1 > "$R/reward.txt"\n')
 
 
+@pytest.mark.serial  # watches the free space of /tmp and the state disk: any other test writes there too
 def test_fallocate_and_a_flood_on_fd_1_and_2_take_no_host_disk_and_the_record_says_truncated(
     cli: Cli, tmp_path: Path, free_space: FreeSpace
 ) -> None:
@@ -290,6 +294,7 @@ def _nest(folder: Path, levels: int) -> None:
         os.close(fd)
 
 
+@pytest.mark.process
 def test_a_task_folder_2000_folders_deep_is_copied_to_the_cap_without_recursion(tmp_path: Path) -> None:
     from durable_rl._harbor_trial import copy_task_folder
 
@@ -337,6 +342,7 @@ def _fill(fs: Path) -> Path:
     return filler
 
 
+@pytest.mark.process
 def test_kept_files_are_capped_per_trial_and_per_run_and_a_full_state_disk_stops_the_run_resumably(
     small_state: Cli, tmp_path: Path
 ) -> None:
@@ -385,6 +391,7 @@ def test_kept_files_are_capped_per_trial_and_per_run_and_a_full_state_disk_stops
     assert all(t["reward"] == 1.0 for t in _trials(cli, "full").values())
 
 
+@pytest.mark.process
 def test_a_kept_file_that_finds_the_state_disk_full_stops_the_run_rather_than_failing_the_trial(tmp_path: Path) -> None:
     from durable_rl._errors import StateStorageFull
     from durable_rl._harbor_trial import keep_files

@@ -27,7 +27,10 @@ from conftest import CLEAN_V1, FAST, Cli, figures
 from durable_rl._engine._store import Store
 
 FAKETIME = shutil.which("faketime")
-pytestmark = pytest.mark.skipif(FAKETIME is None, reason="needs faketime (Debian: apt-get install faketime)")
+pytestmark = [
+    pytest.mark.process,  # drivers under faketime
+    pytest.mark.skipif(FAKETIME is None, reason="needs faketime (Debian: apt-get install faketime)"),
+]
 
 
 ENV = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}

@@ -43,6 +43,7 @@ def test_json_keeps_stdout_for_json(cli: Cli) -> None:
     assert "  … step 0 [1/1]" in proc.stderr and "step 0: trials 6/6" in proc.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("to_group", [True, False], ids=["ctrl-c-in-a-terminal", "sigint-to-the-cli"])
 def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path: Path, to_group: bool) -> None:
     db = f"sqlite:///{tmp_path / 'elsewhere' / 'runs.sqlite'}"  # not the default: the command names it
@@ -179,6 +180,7 @@ def test_a_follower_sees_a_finished_trial_on_its_next_poll(tmp_path: Path) -> No
     assert "slowest s0-a-n0 1.5 s" in line  # its recorded generate + judge seconds, longer than b has run
 
 
+@pytest.mark.process
 def test_a_driver_reaped_by_a_wait_that_ctrl_c_cut_off_reads_as_stopped() -> None:
     """Ctrl-C can land after the supervisor's wait reaped the driver and before it kept the status;
     the stop that follows then polls a child that is no longer there. That is a stopped driver,

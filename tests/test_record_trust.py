@@ -199,6 +199,7 @@ def test_no_row_is_unpickled_and_no_plugin_named_by_the_record_is_imported(pg_cl
     assert not pickle_canary.exists() and not plugin_canary.exists()
 
 
+@pytest.mark.process
 def test_a_worker_trusts_the_plugin_modules_it_was_started_with_only(tmp_path: Path) -> None:
     """The registry's side of the worker's flag, in this process: a trusted module's plug-in
     resolves, an untrusted one is refused before anything imports it, the built-ins always resolve."""
@@ -228,6 +229,7 @@ assert "bad_plugin" not in sys.modules
     assert (tmp_path / "good_plugin.imported").exists() and not (tmp_path / "bad_plugin.imported").exists()
 
 
+@pytest.mark.process
 def test_pickled_rows_are_refused_by_this_process_once_the_engine_configured_dbos() -> None:
     """What the serializer setting alone leaves open: DBOS reads a row by the format the row names.
     Once json_only() ran, a row naming py_pickle is refused, not loaded."""

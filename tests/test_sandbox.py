@@ -65,6 +65,7 @@ def test_snapshots_are_content_addressed(tmp_path: Path, snapshot: Path) -> None
     assert other != snapshot and _tree(snapshot)["docs/a.txt"] == b"alpha\n"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("method", ["overlay", "reflink", "copy"])
 def test_every_offered_method_keeps_writes_private(tmp_path: Path, snapshot: Path, method: str) -> None:
     trials = tmp_path / "trials"
@@ -90,6 +91,7 @@ def test_every_offered_method_keeps_writes_private(tmp_path: Path, snapshot: Pat
     assert leftover_copies(trials) == []  # each removed once its trial ended
 
 
+@pytest.mark.process
 def test_overlay_copies_are_made_one_at_a_time_and_copies_of_files_at_once(
     tmp_path: Path, snapshot: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -126,6 +128,7 @@ def test_overlay_copies_are_made_one_at_a_time_and_copies_of_files_at_once(
     assert leftover_copies(tmp_path / "copies") == [] and leftover_copies(tmp_path / "overlays") == []
 
 
+@pytest.mark.process
 def test_nothing_of_a_trials_folder_is_made_on_the_disk(tmp_path: Path, snapshot: Path) -> None:
     """As root, a trial's folder is a tmpfs of its own: its mount points and the driver's copy-ins
     never reach the disk (a user who cannot mount gets a plain folder); either way it is gone once
@@ -167,6 +170,8 @@ def xfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.root
+@pytest.mark.process
 def test_a_reflink_copy_as_root_stays_on_its_snapshots_file_system(xfs: Path) -> None:
     """A reflink shares blocks with the snapshot, so it cannot live on the trial folder's tmpfs:
     as root, a reflinked trial's folder stays on the snapshot's disk, and its copy is private."""
@@ -187,6 +192,7 @@ def test_a_reflink_copy_as_root_stays_on_its_snapshots_file_system(xfs: Path) ->
     assert leftover_copies(trials) == []
 
 
+@pytest.mark.process
 def test_the_cheapest_method_is_chosen_automatically(tmp_path: Path) -> None:
     offered = available_methods(tmp_path / "trials")
     assert offered[-1] == "copy"
@@ -194,6 +200,7 @@ def test_the_cheapest_method_is_chosen_automatically(tmp_path: Path) -> None:
         assert offered[0] == "overlay"  # this machine: root and overlayfs
 
 
+@pytest.mark.process
 def test_a_killed_process_leaves_a_mount_that_the_next_start_removes(tmp_path: Path, snapshot: Path) -> None:
     trials = tmp_path / "trials"
     script = textwrap.dedent(f"""
@@ -239,11 +246,13 @@ def _cmd(command: str, cwd: Path, limits: Limits = TIGHT):  # type: ignore[no-un
         return _run(run_command(command, cwd=cwd, limits=limits, uid=uid))
 
 
+@pytest.mark.process
 def test_a_clean_command(tmp_path: Path) -> None:
     r = _cmd("echo hello; echo oops >&2; exit 3", tmp_path)
     assert (r.exit_code, r.ended_by, r.stdout, r.stderr) == (3, "exit", "hello\n", "oops\n")
 
 
+@pytest.mark.process
 def test_a_hang_is_killed_at_its_deadline_with_its_whole_group(tmp_path: Path) -> None:
     # a duration of its own, so no other process on the machine (another `sleep 300`) matches it
     sleep = f"sleep {300 + secrets.randbelow(10**6) / 10**7:.7f}"
@@ -254,6 +263,7 @@ def test_a_hang_is_killed_at_its_deadline_with_its_whole_group(tmp_path: Path) -
         assert time.monotonic() < deadline, ps
 
 
+@pytest.mark.process
 def test_cpu_memory_file_size_and_process_limits_say_which_ended_it(tmp_path: Path) -> None:
     if "rlimits" not in capabilities():
         pytest.fail("prlimit is missing: the sandbox cannot limit commands on this machine")
@@ -268,6 +278,7 @@ def test_cpu_memory_file_size_and_process_limits_say_which_ended_it(tmp_path: Pa
     assert _cmd("echo still fine", tmp_path).stdout == "still fine\n"  # nothing of the bomb is left
 
 
+@pytest.mark.process
 def test_the_environment_is_scrubbed_and_the_network_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DURABLE_RL_SECRET_TOKEN", "hunter2")
     r = _cmd("env", tmp_path)
@@ -279,6 +290,7 @@ def test_the_environment_is_scrubbed_and_the_network_is_gone(tmp_path: Path, mon
     assert out.exit_code != 0 and "unreachable" in out.stderr
 
 
+@pytest.mark.process
 def test_a_command_cannot_write_outside_its_folder(tmp_path: Path) -> None:
     if "uid" not in capabilities():
         pytest.fail("setpriv or root is missing: commands would run as the driver's own user")
@@ -356,6 +368,7 @@ def test_a_tool_path_with_no_symlink_resolves_as_realpath_resolves_it_and_one_wi
     assert plain > 200  # most of them: the fast path is the one taken
 
 
+@pytest.mark.process
 def test_tools_read_write_and_run_inside(tmp_path: Path) -> None:
     tmp_path.chmod(0o777)
     tmp_path.parent.chmod(0o711)
@@ -421,6 +434,7 @@ def test_small_file_operations_run_in_place_until_some_in_a_row_are_slow_then_in
     assert len((tmp_path / "big.txt").read_text()) == READ_FILE_LIMIT + 1
 
 
+@pytest.mark.root
 def test_trials_folder_under_tmp_made_first_by_someone_else_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -459,6 +473,7 @@ def _evil_library(folder: Path, mark: Path) -> Path:
     return lib
 
 
+@pytest.mark.process
 def test_the_tasks_environment_never_reaches_the_helpers(tmp_path: Path) -> None:
     canary = tmp_path / "canary"
     canary.mkdir(mode=0o777)
@@ -483,6 +498,8 @@ def test_the_tasks_environment_never_reaches_the_helpers(tmp_path: Path) -> None
     assert sorted(p.name for p in canary.iterdir()) == ["evil.c", "evil.so"]
 
 
+@pytest.mark.root
+@pytest.mark.process
 def test_a_command_has_no_capabilities_and_its_files_belong_to_the_trials_uid(tmp_path: Path) -> None:
     r = _cmd("grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs)' /proc/self/status; id -u; touch made", tmp_path)
     assert r.stdout.split() == ["CapPrm:", "0" * 16, "CapEff:", "0" * 16, "CapBnd:", "0" * 16, "NoNewPrivs:", "1", "0"]
@@ -495,6 +512,8 @@ def test_a_command_has_no_capabilities_and_its_files_belong_to_the_trials_uid(tm
     assert "postgres" not in seen.stdout and "No such file or directory" in seen.stdout
 
 
+@pytest.mark.root
+@pytest.mark.process
 def test_uids_are_leased_once_across_processes(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import contextlib, sys, time
@@ -508,6 +527,8 @@ def test_uids_are_leased_once_across_processes(tmp_path: Path) -> None:
     assert len(uids) == 160 and len(set(uids)) == 160
 
 
+@pytest.mark.root
+@pytest.mark.process
 def test_a_leased_uid_whose_holder_died_is_reaped_before_it_is_leased_again(tmp_path: Path) -> None:
     from durable_rl._sandbox._uids import _LEASES, _lease, _try_lease, processes_of, reap_uid
 
@@ -533,6 +554,7 @@ def test_a_leased_uid_whose_holder_died_is_reaped_before_it_is_leased_again(tmp_
         survivor.wait()
 
 
+@pytest.mark.process
 def test_the_trials_storage_quota_counts_its_copy_tmp_and_shm_together(tmp_path: Path, snapshot: Path) -> None:
     trials = tmp_path / "trials"
     tmp_path.chmod(0o711)
@@ -557,6 +579,7 @@ def test_the_trials_storage_quota_counts_its_copy_tmp_and_shm_together(tmp_path:
     assert _run(hog()) == [0, 0, 1, 0]  # 16 MB fit in 20, the third 8 MB did not
 
 
+@pytest.mark.process
 def test_network_on_reaches_out_but_not_the_hosts_loopback(tmp_path: Path) -> None:
     import socket
 
@@ -578,6 +601,7 @@ def test_network_on_reaches_out_but_not_the_hosts_loopback(tmp_path: Path) -> No
     assert r.isolation[1] == "slirp4netns"
 
 
+@pytest.mark.root
 def test_a_mount_through_a_link_a_trial_planted_is_refused(tmp_path: Path) -> None:
     from durable_rl._sandbox import Mount, SandboxRefused
 
@@ -594,6 +618,7 @@ def test_a_mount_through_a_link_a_trial_planted_is_refused(tmp_path: Path) -> No
         Mount(source=tmp_path, target="/proc/1")
 
 
+@pytest.mark.root
 def test_reading_a_trials_file_never_follows_blocks_or_overreads(tmp_path: Path) -> None:
     from durable_rl._sandbox._tools import read_untrusted
 
@@ -611,6 +636,7 @@ def test_reading_a_trials_file_never_follows_blocks_or_overreads(tmp_path: Path)
     assert read_untrusted(secret, 64) == "0.4242"
 
 
+@pytest.mark.root
 def test_task_folders_are_copied_without_following_links(tmp_path: Path) -> None:
     from durable_rl._sandbox._workspace import copy_tree_safely
 
@@ -641,6 +667,7 @@ def test_task_folders_are_copied_without_following_links(tmp_path: Path) -> None
         copy_tree_safely(src, planted)  # a destination a trial made first is never written through
 
 
+@pytest.mark.process
 def test_a_dead_drivers_leftover_processes_are_killed_before_its_copy_is_removed(
     tmp_path: Path, snapshot: Path
 ) -> None:
@@ -687,6 +714,7 @@ def test_the_state_folder_and_database_are_private(tmp_path: Path) -> None:
     assert files and all(p.stat().st_mode & 0o777 == 0o600 for p in files)
 
 
+@pytest.mark.process
 def test_a_root_filesystem_is_read_only_unless_a_build_asks_to_write_it(tmp_path: Path) -> None:
     from durable_rl._sandbox._workspace import _bind, _unmount
 
@@ -716,6 +744,7 @@ def test_a_root_filesystem_is_read_only_unless_a_build_asks_to_write_it(tmp_path
         _unmount(root / "usr")
 
 
+@pytest.mark.process
 def test_a_method_probe_cut_off_by_a_kill_is_swept_and_a_live_one_is_not(tmp_path: Path) -> None:
     trials = tmp_path / "trials"
     dead = subprocess.Popen(["true"])
@@ -728,6 +757,7 @@ def test_a_method_probe_cut_off_by_a_kill_is_swept_and_a_live_one_is_not(tmp_pat
     assert not cut_off.exists() and live.exists()
 
 
+@pytest.mark.root
 def test_a_trial_cancelled_while_its_uid_is_leased_gives_the_uid_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """The async lease (a thread takes it, off the event loop) may finish after its trial was
     cancelled (a stop, a timeout): the uid it took is given back, not held until the process exits."""
@@ -768,6 +798,7 @@ def test_a_trial_cancelled_while_its_uid_is_leased_gives_the_uid_back(monkeypatc
     assert all((_uids._LEASES / str(u)).read_bytes() == b"free\n" for u in taken)
 
 
+@pytest.mark.process
 def test_a_trials_processes_together_are_bounded_by_memory_mb(tmp_path: Path) -> None:
     """Each of three processes stays under the per-process limit; together they pass the
     command's memory cgroup (memory_mb plus its storage quota), which kills them: reported as

@@ -20,7 +20,7 @@ from durable_rl._procs import pid_alive
 from durable_rl._sandbox._uids import _LEASES, uid_held
 from durable_rl._sandbox._workspace import mounted_copies, publish_snapshot, sweep
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the helper serves root drivers: uids and mounts")
+pytestmark = [pytest.mark.root, pytest.mark.process]  # the helper serves root drivers: uids and mounts
 
 _PRELUDE = """
 import asyncio, json, os, sys, threading
@@ -92,6 +92,7 @@ def test_the_helper_leases_makes_and_removes_and_a_trial_sees_no_difference(tmp_
     assert all((_LEASES / str(t["uid"])).read_bytes() == b"free\n" for t in trials)
 
 
+@pytest.mark.serial  # compares the machine's held uid leases before and after: another run's would count
 def test_a_trial_cancelled_while_the_helper_works_for_it_leaves_no_lease_or_copy(
     tmp_path: Path, snapshot: Path
 ) -> None:
@@ -168,6 +169,7 @@ def test_a_driver_killed_takes_its_helper_and_leases_with_it_and_sweep_removes_i
     assert not _mounted(out["path"]) and leftover_copies(tmp_path / "trials", within_s=0) == []
 
 
+@pytest.mark.serial  # sweeps every dead process's copies from the machine's mount table
 def test_a_benchmark_first_removes_the_copies_a_killed_process_left_mounted_where_no_driver_returns(
     tmp_path: Path, snapshot: Path
 ) -> None:

@@ -47,6 +47,7 @@ def _done(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("name", "args", "n_trials", "n_skipped"),
     [
@@ -75,6 +76,7 @@ def test_skyrl_accepts_the_output(tmp_path: Path, name: str, args: list[str], n_
     assert out["tensor_loss_tokens"] == sum(out["model_tokens"])
 
 
+@pytest.mark.process
 def test_a_killed_skyrl_step_takes_its_trials_from_the_record_and_pays_no_judgment_twice(tmp_path: Path) -> None:
     released = threading.Event()
     answered: list[str] = []
@@ -155,6 +157,7 @@ def test_recorded_tokens_are_kept_and_observations_masked() -> None:
     assert empty.loss_mask == [0] and len(empty.response_ids) == 1
 
 
+@pytest.mark.process
 def test_a_dead_judge_endpoint_fails_the_first_batch_before_any_trial(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 's.sqlite'}"
     dead = ["--judge", "llm", "--set", 'judge.model="grader"', "--set", 'judge.base_url="http://127.0.0.1:9/v1"']
@@ -164,6 +167,7 @@ def test_a_dead_judge_endpoint_fails_the_first_batch_before_any_trial(tmp_path: 
     assert Store(db).counters("dead")["generate_executed"] == 0
 
 
+@pytest.mark.process
 def test_a_model_policy_s_recorded_token_ids_and_logprobs_reach_skyrl(tmp_path: Path) -> None:
     with ScriptedLLMServer(lambda body: "the secret is unknown to me", token_ids=True) as server:
         args = ["--env", "secret-hunt", "--agent", "llm", "--set", f"agent.base_url={json.dumps(server.base_url)}"]

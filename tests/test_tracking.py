@@ -235,6 +235,7 @@ def test_an_unknown_or_missing_backend_is_refused_before_anything_is_written(cli
     assert not (cli.cwd / ".durable-rl").exists()
 
 
+@pytest.mark.process
 def test_a_step_logged_while_another_thread_imports_matplotlib_keeps_its_metrics(tmp_path: Path) -> None:
     """The CLI imports the report's plotting in a thread while the run goes on. Trackio looks
     matplotlib's figure module up in sys.modules for every value it logs; found there half made

@@ -13,6 +13,7 @@ import pytest
 WITHOUT_TORCH = "import sys; sys.modules['torch'] = None; from durable_rl._cli import main; main()"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("flags", [["--trainer", "grpo"], ["--agent", "sampler"]])
 def test_a_run_that_needs_the_train_extra_says_so_in_one_line(tmp_path: Path, flags: list[str]) -> None:
     proc = subprocess.run(

@@ -17,7 +17,7 @@ import pytest
 
 from durable_rl._engine._store import Store
 
-pytestmark = pytest.mark.trl
+pytestmark = [pytest.mark.trl, pytest.mark.process]  # each test trains in a `durable-rl` subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "trl" / "train.py"

@@ -114,6 +114,7 @@ def test_the_spec_trial_ids_and_worlds() -> None:
     assert {s.prompt for s in specs} == {"find the secret"} and specs[2].group == "s1-p1"
 
 
+@pytest.mark.process
 def test_generate_is_the_same_on_every_attempt_and_private(tmp_path: Path) -> None:
     world = _run(build_world(ENV, "w0", snapshots_dir=tmp_path / "snapshots"))
     before = {p: p.read_bytes() for p in Path(world.root).rglob("*") if p.is_file()}
@@ -130,6 +131,7 @@ def test_generate_is_the_same_on_every_attempt_and_private(tmp_path: Path) -> No
     assert leftover_copies(tmp_path / "trials") == []  # each trial's copy was removed
 
 
+@pytest.mark.process
 def test_the_verifier_never_follows_a_link_the_agent_left(tmp_path: Path) -> None:
     world = _run(build_world(ENV, "w0", snapshots_dir=tmp_path / "snapshots"))
     secret_file = tmp_path / "root-only.txt"
@@ -148,6 +150,7 @@ def test_the_verifier_never_follows_a_link_the_agent_left(tmp_path: Path) -> Non
     assert traj.verdict is not None and not traj.verdict.passed and traj.verdict.details["answer"] is None
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="the overlay copy and the sandbox's own /etc need root")
 def test_a_trials_commands_see_their_copy_at_workspace_and_no_host_folder(tmp_path: Path) -> None:
     """The agent's commands start in /workspace, their copy of the world, and neither `pwd` nor
@@ -299,6 +302,7 @@ def test_identities_stay_byte_for_byte_what_earlier_versions_recorded() -> None:
     assert canonical(value["model"]) == canonical(value["model"].model_dump(mode="json"))  # type: ignore[union-attr]
 
 
+@pytest.mark.process
 def test_the_default_run_without_an_engine_has_the_spec_figures(tmp_path: Path) -> None:
     """The units alone, chained by hand in the spec's order, give the figures the CLI prints."""
     from conftest import CLEAN_V1
