@@ -239,5 +239,9 @@ def test_what_a_killed_driver_left_in_the_filter_is_swept_by_the_next(
     if memory is not None:
         from durable_rl._sandbox._admission import _swept
 
+        deadline = time.monotonic() + 10  # a cgroup is removed once the last of its processes has left
         _swept(memory)
+        while list(memory.glob(f"{driver.pid}-*")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            _swept(memory)
         assert list(memory.glob(f"{driver.pid}-*")) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,7 +205,9 @@ def test_a_benchmark_first_removes_the_copies_a_killed_process_left_mounted_wher
         text=True,
         check=True,
     )
-    assert "removed 1 working copies that dead processes left mounted" in bench.stderr
+    # its own copy at least: other dead processes on the machine may have left copies mounted too
+    removed = re.search(r"removed (\d+) working copies that dead processes left mounted", bench.stderr)
+    assert removed is not None and int(removed.group(1)) >= 1, bench.stderr
     assert trials not in mounted_copies() and leftover_copies(trials, within_s=0) == []
 
 
