@@ -25,6 +25,10 @@ from typing import Any
 Responder = Callable[[dict[str, Any]], "str | dict[str, Any]"]
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # a served model's backlog, not 5: a burst of new connections is not dropped
+
+
 class ScriptedLLMServer:
     """A chat-completions server in a background thread; `script` actions are used first."""
 
@@ -46,7 +50,7 @@ class ScriptedLLMServer:
         self.connections = 0  # TCP connections accepted
         self.log_path = log_path
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd = _Server(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._placeholder: socket.socket | None = None
