@@ -19,7 +19,7 @@ from conftest import FAULTS, Cli, figures
 from durable_rl import AgentTurn, JudgeContext, ToolCall, Trajectory, Verdict, load_rubric
 from durable_rl._engine._store import Store
 from durable_rl._fake_llm import ScriptedLLMServer
-from durable_rl._llm import Endpoint, LLMUnavailable, _Limiter, chat
+from durable_rl._llm import Endpoint, LLMUnavailable, _Limiter, chat, pooled_client
 from durable_rl._llm_judge import JudgeAnswerInvalid, LLMJudge, LLMJudgeSettings
 
 GOOD = json.dumps({"scores": {"correctness": 1.0, "efficiency": 0.5, "tidiness": 0.0}})
@@ -73,6 +73,55 @@ def test_an_outage_slows_a_call_and_fails_it_only_past_the_deadline(server: Scri
     server.script += [{"status": 500}] * 100
     with pytest.raises(LLMUnavailable, match="HTTP 500"):
         asyncio.run(chat(_endpoint(server, deadline_s=1.0), HI))
+
+
+class _Announcements:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    async def recorded(self, request_id: str) -> None:
+        return None
+
+    async def before_request(self, n: int, request_id: str) -> None:
+        self.events.append(("sent", n))
+
+    async def after_request(self, n: int, outcome: str, result: object) -> None:
+        self.events.append((outcome, n))
+
+
+def test_only_requests_that_left_are_announced(server: ScriptedLLMServer) -> None:
+    """A refused connection sent nothing: not announced, so not on a ledger; a 500 and a dropped
+    connection after the request left are, each with its outcome."""
+    import socket
+
+    with socket.socket() as s:  # a port with no listener: every connection is refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    seen = _Announcements()
+    with pytest.raises(LLMUnavailable, match=r"tries \(0 requests sent\).*ConnectionRefusedError"):
+        asyncio.run(chat(Endpoint(model="m", base_url=dead, backoff_s=0.05, deadline_s=0.5), HI, observer=seen))
+    assert seen.events == []
+    server.script += [{"status": 500}, {"drop": True}]
+    asyncio.run(chat(_endpoint(server), HI, observer=seen))
+    outcomes = [e.split(" (")[0] for e, _ in seen.events]
+    assert outcomes == ["sent", "HTTP 500", "sent", "connection failed", "sent", "answered"]
+    assert [n for _, n in seen.events] == [1, 1, 2, 2, 3, 3] and server.count() == 3
+
+
+def test_one_pooled_client_per_endpoint_and_loop_closed_when_the_loop_ends(server: ScriptedLLMServer) -> None:
+    async def calls() -> Any:
+        endpoint = _endpoint(server, concurrency=4)
+        await asyncio.gather(*(chat(endpoint, [{"role": "user", "content": str(i)}]) for i in range(12)))
+        client = await pooled_client(endpoint)
+        assert client is await pooled_client(endpoint) and not client.is_closed()
+        assert client is not await pooled_client(_endpoint(server, concurrency=4, request_timeout_s=2.0))
+        return client
+
+    first = asyncio.run(calls())
+    assert first.is_closed()  # asyncio.run's shutdown closed the loop's clients
+    second = asyncio.run(calls())
+    assert second is not first and second.is_closed()
+    assert server.count() == 24 and server.connections <= 2 * 4  # at most 4 kept alive per loop, not one per call
 
 
 def test_a_client_error_is_not_retried(server: ScriptedLLMServer) -> None:
