@@ -19,7 +19,7 @@ from conftest import FAULTS, Cli, figures
 from durable_rl import AgentTurn, JudgeContext, ToolCall, Trajectory, Verdict, load_rubric
 from durable_rl._engine._store import Store
 from durable_rl._fake_llm import ScriptedLLMServer
-from durable_rl._llm import Endpoint, LLMUnavailable, _Limiter, chat
+from durable_rl._llm import Endpoint, LLMUnavailable, _Limiter, chat, pooled_client
 from durable_rl._llm_judge import JudgeAnswerInvalid, LLMJudge, LLMJudgeSettings
 
 GOOD = json.dumps({"scores": {"correctness": 1.0, "efficiency": 0.5, "tidiness": 0.0}})
@@ -73,6 +73,55 @@ def test_an_outage_slows_a_call_and_fails_it_only_past_the_deadline(server: Scri
     server.script += [{"status": 500}] * 100
     with pytest.raises(LLMUnavailable, match="HTTP 500"):
         asyncio.run(chat(_endpoint(server, deadline_s=1.0), HI))
+
+
+class _Announcements:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    async def recorded(self, request_id: str) -> None:
+        return None
+
+    async def before_request(self, n: int, request_id: str) -> None:
+        self.events.append(("sent", n))
+
+    async def after_request(self, n: int, outcome: str, result: object) -> None:
+        self.events.append((outcome, n))
+
+
+def test_only_requests_that_left_are_announced(server: ScriptedLLMServer) -> None:
+    """A refused connection sent nothing: not announced, so not on a ledger; a 500 and a dropped
+    connection after the request left are, each with its outcome."""
+    import socket
+
+    with socket.socket() as s:  # a port with no listener: every connection is refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    seen = _Announcements()
+    with pytest.raises(LLMUnavailable, match=r"tries \(0 requests sent\).*ConnectionRefusedError"):
+        asyncio.run(chat(Endpoint(model="m", base_url=dead, backoff_s=0.05, deadline_s=0.5), HI, observer=seen))
+    assert seen.events == []
+    server.script += [{"status": 500}, {"drop": True}]
+    asyncio.run(chat(_endpoint(server), HI, observer=seen))
+    outcomes = [e.split(" (")[0] for e, _ in seen.events]
+    assert outcomes == ["sent", "HTTP 500", "sent", "connection failed", "sent", "answered"]
+    assert [n for _, n in seen.events] == [1, 1, 2, 2, 3, 3] and server.count() == 3
+
+
+def test_one_pooled_client_per_endpoint_and_loop_closed_when_the_loop_ends(server: ScriptedLLMServer) -> None:
+    async def calls() -> Any:
+        endpoint = _endpoint(server, concurrency=4)
+        await asyncio.gather(*(chat(endpoint, [{"role": "user", "content": str(i)}]) for i in range(12)))
+        client = await pooled_client(endpoint)
+        assert client is await pooled_client(endpoint) and not client.is_closed()
+        assert client is not await pooled_client(_endpoint(server, concurrency=4, request_timeout_s=2.0))
+        return client
+
+    first = asyncio.run(calls())
+    assert first.is_closed()  # asyncio.run's shutdown closed the loop's clients
+    second = asyncio.run(calls())
+    assert second is not first and second.is_closed()
+    assert server.count() == 24 and server.connections <= 2 * 4  # at most 4 kept alive per loop, not one per call
 
 
 def test_a_client_error_is_not_retried(server: ScriptedLLMServer) -> None:
@@ -299,3 +348,77 @@ def test_judge_calls_are_the_requests_the_server_received_and_ledger_answers_are
     assert book["saved"]["prompt_tokens"] > 0 and book["saved"]["cost_usd"] > 0
     text = cli.run("ledger", "weights").stdout
     assert f"judge calls {sent} " in text and f"saved by replay and reuse: {12 - sent} calls" in text
+
+
+def test_a_run_keeps_its_judge_connections_alive_one_pool_per_endpoint(cli: Cli, server: ScriptedLLMServer) -> None:
+    """18 judgments at 2 requests in flight go over at most 2 kept-alive connections, counted as
+    the server accepts them; a client per call would open one per judgment."""
+    out = cli.json("train", "--run-id", "pooled", *_llm_args(server), "--set", "judge.concurrency=2")
+    assert out["status"] == "succeeded" and server.count() == out["ledger"]["requests"] == 18
+    assert server.max_in_flight <= 2
+    assert server.connections <= 2 + 1  # the judge's pool, and the endpoint check before the first step
+
+
+def _syn_sent_to(port: int) -> int:
+    """Sockets of this machine in SYN-SENT towards 127.0.0.1:`port` (/proc/net/tcp): clients
+    waiting in connection set-up."""
+    waiting = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[2] == f"0100007F:{port:04X}" and fields[3] == "02":
+            waiting += 1
+    return waiting
+
+
+def test_a_request_waiting_for_its_connection_at_a_kill_is_not_on_the_ledger_as_lost(
+    cli: Cli, server: ScriptedLLMServer
+) -> None:
+    """The ledger marks a request sent once it has its connection, right before its bytes leave:
+    a driver killed while its next request waits in TCP set-up (the server accepts no connection,
+    its SYNs are dropped) leaves no lost answer, and every request the server received is on the
+    ledger as answered. After the resume, the requests at the server are the ledger's rows."""
+    server.script += [{}] * 3 + [{"pause_accepting": True}]  # the 4th answer closes, and no new connection is taken
+    port = int(server.base_url.rsplit(":", 1)[1].split("/")[0])
+    args = ["--run-id", "setup", *_llm_args(server), "--set", "judge.concurrency=1", "--judge-timeout", "60"]
+    proc = cli.popen("train", *args)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if server.count() >= 4 and _syn_sent_to(port) >= 1 and server.in_flight == 0:
+            if Store(cli.db).ledger("setup")["answered"] == server.count():
+                break  # every answer the server sent is recorded; the next request is in set-up
+        time.sleep(0.05)
+    assert _syn_sent_to(port) >= 1, "the driver never waited for a connection"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    book = Store(cli.db).ledger("setup")
+    assert server.count() == 4 and book["answered"] == 4
+    assert book["lost_answers"] == 0 and book["requests"] == 4  # the one in set-up had not left
+    server.resume_accepting()
+    out = cli.json("resume", "setup")
+    assert out["status"] == "succeeded" and out["ledger"]["lost_answers"] == 0
+    assert server.count() == out["ledger"]["requests"] == out["ledger"]["answered"] == 18
+
+
+def test_the_lost_answers_at_a_kill_are_the_requests_the_server_received_without_answering(
+    cli: Cli, server: ScriptedLLMServer
+) -> None:
+    """Three of step 0's six judgments answered, then the server holds every request it receives:
+    a driver killed with the other 3 held leaves exactly those 3 on the ledger as lost (billed)."""
+    server.script += [{}] * 3 + [{"delay": 600}] * 3
+    args = ["--run-id", "held", *_llm_args(server), "--set", "judge.concurrency=3", "--judge-timeout", "900"]
+    proc = cli.popen("train", *args)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if server.in_flight == 3 and Store(cli.db).ledger("held")["answered"] == 3:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    book = Store(cli.db).ledger("held")
+    received_unanswered = server.count() - 3
+    assert received_unanswered == server.in_flight == 3
+    assert book["lost_answers"] == received_unanswered and book["requests"] == server.count()
+    server.script.clear()
+    out = cli.json("resume", "held")
+    assert out["status"] == "succeeded" and out["ledger"]["lost_answers"] == 3
+    assert server.count() == out["ledger"]["requests"] == 18 + 3  # every judgment answered once, plus the 3 lost

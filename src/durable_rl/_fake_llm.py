@@ -1,8 +1,10 @@
 """A real HTTP server on loopback that speaks chat completions, for tests and local dry runs.
 
 It answers from a script of actions, then from a responder function: scripted replies and tool
-calls, latency, 429 with Retry-After, 500, hangs, malformed bodies and dropped connections. It
-counts every request it receives, so a test can prove a call was made once.
+calls, latency, 429 with Retry-After, 500, hangs, malformed bodies, dropped connections, an
+answer that closes its connection, and a pause in accepting connections. It
+counts every request it receives, so a test can prove a call was made once, and every TCP
+connection it accepts, so a test can prove a client keeps its connections alive.
 
     with ScriptedLLMServer(responder=lambda body: '{"scores": {...}}') as server:
         server.script.append({"status": 429, "retry_after": 1})
@@ -13,6 +15,7 @@ counts every request it receives, so a test can prove a call was made once.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +23,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 Responder = Callable[[dict[str, Any]], "str | dict[str, Any]"]
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # a served model's backlog, not 5: a burst of new connections is not dropped
 
 
 class ScriptedLLMServer:
@@ -40,11 +47,13 @@ class ScriptedLLMServer:
         self.requests: list[dict[str, Any]] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.connections = 0  # TCP connections accepted
         self.log_path = log_path
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd = _Server(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._placeholder: socket.socket | None = None
 
     @property
     def base_url(self) -> str:
@@ -55,6 +64,24 @@ class ScriptedLLMServer:
         """Requests received so far."""
         with self._lock:
             return len(self.requests)
+
+    def pause_accepting(self) -> None:
+        """Accept no new connection until `resume_accepting`: the listen queue shrinks to one and
+        a placeholder connection fills it, so the kernel drops new clients' SYNs and they wait in
+        connection set-up. Open connections are served as before."""
+        self._httpd.shutdown()  # the accept loop stops; handler threads go on
+        self._httpd.socket.listen(0)
+        host, port = self._httpd.server_address[:2]
+        self._placeholder = socket.create_connection((str(host), int(port)), timeout=5)
+
+    def resume_accepting(self) -> None:
+        """Accept again: the waiting clients connect on their next SYN."""
+        self._httpd.socket.listen(self._httpd.request_queue_size)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        if self._placeholder is not None:
+            self._placeholder.close()
+            self._placeholder = None
 
     def __enter__(self) -> ScriptedLLMServer:
         self._thread.start()
@@ -77,6 +104,11 @@ class ScriptedLLMServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                with server._lock:
+                    server.connections += 1
+                super().setup()
 
             def log_message(self, format: str, *args: Any) -> None:
                 return None
@@ -112,6 +144,9 @@ class ScriptedLLMServer:
 
             def _answer(self, body: dict[str, Any], action: dict[str, Any]) -> None:
                 time.sleep(action.get("delay", 0.0))
+                if action.get("pause_accepting"):  # then answer and close: the next request must connect
+                    server.pause_accepting()
+                    action = {**action, "close": True}
                 if action.get("hang"):
                     time.sleep(action["hang"])
                     return
@@ -129,7 +164,10 @@ class ScriptedLLMServer:
                 reply = action.get("reply", None)
                 if reply is None:
                     reply = server.responder(body)
-                self._send(200, json.dumps(_completion(body, reply, server.token_ids)).encode())
+                headers = {"Connection": "close"} if action.get("close") else None
+                self._send(200, json.dumps(_completion(body, reply, server.token_ids)).encode(), headers)
+                if action.get("close"):
+                    self.close_connection = True
 
         return Handler
 

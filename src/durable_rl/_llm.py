@@ -4,26 +4,35 @@ connections and malformed bodies are retried with exponential backoff and jitter
 deadline, so an outage slows the caller rather than failing it. A concurrency cap and a
 requests-per-minute limit keep the caller inside its quota.
 
-Every request is announced to an observer before it is sent and reported after, so a ledger
-can count a call whose answer was lost as billed.
+Every request is announced to an observer right before its bytes leave (on a connection that is
+already open: TCP and TLS set-up come first) and reported after, so a ledger can count a call
+whose answer was lost as billed, and counts as lost no request that never left.
+
+One pooled client per endpoint and event loop: keep-alive connections, as many as the endpoint's
+concurrency, opened once and reused by every call, and closed when the loop ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import random
 import time
 import weakref
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ._identity import identity
 from ._protocols import VOLATILE, PluginSettings
+
+if TYPE_CHECKING:
+    import openai
 
 
 class LLMUnavailable(RuntimeError):
@@ -146,15 +155,21 @@ class ChatResult(BaseModel):
 
 
 class Observer(Protocol):
-    """Told of every HTTP request: before it goes out, and how it ended."""
+    """Told of every HTTP request: right before it goes out, and how it ended."""
 
     async def recorded(self, request_id: str) -> ChatResult | None:
         """An answer already paid for and recorded for this exact request, if any: it is not sent again."""
         ...
 
-    async def before_request(self, n: int, request_id: str) -> None: ...
+    async def before_request(self, n: int, request_id: str) -> None:
+        """Request `n` is about to leave on an open connection; its bytes go once this returns. An
+        attempt that never got a connection (refused, unreachable, a connect timeout) sent
+        nothing and is not announced."""
+        ...
 
-    async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None: ...
+    async def after_request(self, n: int, outcome: str, result: ChatResult | None) -> None:
+        """How announced request `n` ended: "answered" with its result, or why not."""
+        ...
 
 
 class _Quiet:
@@ -210,6 +225,109 @@ def _limiter(endpoint: Endpoint) -> _Limiter:
     return per_loop[key]
 
 
+# The running call's announcement, awaited by the HTTP stack once the request has its connection
+# and before its first byte is written; a context variable, so each call's task sees its own.
+_ON_SEND: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("durable_rl_on_send", default=None)
+
+
+async def _trace(event: str, info: dict[str, Any]) -> None:
+    """httpcore's trace extension: `<http11|http2>.send_request_headers.started` comes after the
+    connection is open (TCP connect, TLS handshake) and before the request is written."""
+    if event.endswith(".send_request_headers.started"):
+        announce = _ON_SEND.get()
+        if announce is not None:
+            await announce()
+
+
+async def _traced(request: Any) -> None:
+    """A request event hook: every request of a pooled client carries `_trace`."""
+    request.extensions["trace"] = _trace
+
+
+def _http_library() -> Any:
+    """The HTTP client library the installed openai SDK is built on (httpx, or httpx2 in later
+    SDKs), so the pooled client is one it takes."""
+    import openai
+
+    for cls in openai.DefaultAsyncHttpxClient.__mro__:
+        if cls.__name__ == "AsyncClient":
+            return importlib.import_module(cls.__module__.partition(".")[0])
+    raise RuntimeError("openai.DefaultAsyncHttpxClient is not an httpx AsyncClient")
+
+
+class _Clients:
+    """The pooled clients of one event loop, closed when it ends (its async generators are shut
+    down by asyncio.run and asyncio.Runner: `_close_at_loop_end` is one)."""
+
+    def __init__(self) -> None:
+        self.clients: dict[tuple[Any, ...], openai.AsyncOpenAI] = {}
+        self.keeper: AsyncIterator[None] | None = None
+
+
+# Per event loop: an httpx client's connections belong to the loop that opened them. An entry
+# leaves with its loop's shutdown; a loop closed without one keeps its entry until the process ends.
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Clients] = weakref.WeakKeyDictionary()
+
+
+async def _close_at_loop_end(loop: asyncio.AbstractEventLoop, pool: _Clients) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        _clients.pop(loop, None)
+        for client in list(pool.clients.values()):
+            await client.close()
+        pool.clients.clear()
+
+
+async def pooled_client(endpoint: Endpoint) -> openai.AsyncOpenAI:
+    """The one client of this process and event loop for `endpoint`: built at its first call,
+    with keep-alive connections up to the endpoint's concurrency (the cap on its requests in
+    flight, so an admitted request never waits for a connection), closed when the loop ends."""
+    import openai  # a heavy import, paid only by runs that call a model
+
+    loop = asyncio.get_running_loop()
+    pool = _clients.get(loop)
+    if pool is None:
+        pool = _clients[loop] = _Clients()
+        pool.keeper = _close_at_loop_end(loop, pool)
+        await anext(pool.keeper)  # now the loop knows it, and closes it at its shutdown
+    api_key = os.environ.get(endpoint.api_key_env) or "none"
+    key = (
+        endpoint.base_url,
+        endpoint.model,
+        endpoint.concurrency,
+        endpoint.api_key_env,
+        api_key,
+        endpoint.request_timeout_s,
+    )
+    client = pool.clients.get(key)
+    if client is None:
+        http = openai.DefaultAsyncHttpxClient(  # the SDK's defaults (redirects), our pool and hook
+            limits=_http_library().Limits(
+                max_connections=endpoint.concurrency, max_keepalive_connections=endpoint.concurrency
+            ),
+            timeout=endpoint.request_timeout_s,
+            event_hooks={"request": [_traced]},
+        )
+        client = pool.clients[key] = openai.AsyncOpenAI(
+            base_url=endpoint.base_url,
+            api_key=api_key,
+            max_retries=0,  # retries are ours: each is announced to the observer
+            timeout=endpoint.request_timeout_s,
+            http_client=http,
+        )
+    return client
+
+
+class _Announced(Exception):
+    """The observer failed to announce a request (the ledger could not be written): it was not
+    sent, and the observer's error is the call's, not a connection failure to retry."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _retry_after(error: Any) -> float | None:
     value = error.response.headers.get("retry-after")
     try:
@@ -229,80 +347,100 @@ async def chat(
     import openai  # a heavy import, paid only by runs that call a model
 
     observer = observer or _Quiet()
-    client = openai.AsyncOpenAI(
-        base_url=endpoint.base_url,
-        api_key=os.environ.get(endpoint.api_key_env) or "none",
-        max_retries=0,  # retries are ours: each is announced to the observer
-        timeout=endpoint.request_timeout_s,
-    )
     request_id = identity(
         "chat", "1", {"base_url": endpoint.base_url, "model": endpoint.model, "messages": messages, "params": params}
     )
     paid = await observer.recorded(request_id)
     if paid is not None:  # its answer reached us before (then a crash lost the rest): never pay twice
-        await client.close()
         return paid
+    client = await pooled_client(endpoint)
     limiter = _limiter(endpoint)
     deadline = time.monotonic() + endpoint.deadline_s
     delay = endpoint.backoff_s
-    n = 0
+    n = 0  # requests that went out
+    tries = 0
     last = "no request made"
-    try:
-        while True:
-            wait: float | None = None
-            await limiter.start()
-            async with limiter.slots:
-                n += 1
-                await observer.before_request(n, request_id)
-                t0 = time.monotonic()
+    sent = False  # the current try's request went out
+    failure: Exception | None = None  # the observer's, when it could not announce it
+    t0 = time.monotonic()
+
+    async def announce() -> None:
+        nonlocal n, sent, failure, t0
+        if sent:
+            return
+        sent, n = True, n + 1
+        try:
+            await observer.before_request(n, request_id)
+        except Exception as e:
+            failure = e
+            raise
+        t0 = time.monotonic()
+
+    while True:
+        wait: float | None = None
+        await limiter.start()
+        async with limiter.slots:
+            tries += 1
+            sent, failure, t0 = False, None, time.monotonic()
+            token = _ON_SEND.set(announce)
+            try:
                 try:
                     raw = await client.chat.completions.with_raw_response.create(
                         model=endpoint.model,
                         messages=messages,  # type: ignore[arg-type]
                         **params,
                     )
-                    completion = raw.parse()
-                    body = raw.http_response.text
-                    choice = completion.choices[0]
-                except openai.RateLimitError as e:
-                    last, wait = "429 rate limited", _retry_after(e)
-                except openai.APIStatusError as e:
-                    last = f"HTTP {e.status_code}"
-                    if e.status_code < 500 and e.status_code != 408:
+                except Exception:
+                    if failure is not None:
+                        raise _Announced(failure) from None
+                    raise
+                finally:
+                    _ON_SEND.reset(token)
+                completion = raw.parse()
+                body = raw.http_response.text
+                choice = completion.choices[0]
+            except _Announced as e:
+                raise e.error from None
+            except openai.RateLimitError as e:
+                last, wait = "429 rate limited", _retry_after(e)
+            except openai.APIStatusError as e:
+                last = f"HTTP {e.status_code}"
+                if e.status_code < 500 and e.status_code != 408:
+                    if sent:
                         await observer.after_request(n, last, None)
-                        raise LLMUnavailable(f"{endpoint.model}: {last}: {e.message}") from None
-                except openai.APITimeoutError:
-                    last = "timed out"
-                except openai.APIConnectionError as e:
-                    last = f"connection failed ({root_cause(e)})"
-                except (ValueError, IndexError, AttributeError, TypeError) as e:  # a body that is not a completion
-                    last = f"malformed response: {type(e).__name__}"
-                else:
-                    result = ChatResult(
-                        message=choice.message.model_dump(exclude_none=True),
-                        raw=body,
-                        usage=Usage(
-                            prompt_tokens=completion.usage.prompt_tokens if completion.usage else 0,
-                            completion_tokens=completion.usage.completion_tokens if completion.usage else 0,
-                        ),
-                        latency_s=round(time.monotonic() - t0, 4),
-                        logprobs=[t.model_dump() for t in choice.logprobs.content]
-                        if choice.logprobs and choice.logprobs.content
-                        else None,
-                    )
-                    await observer.after_request(n, "answered", result)
-                    return result
-                await observer.after_request(n, last, None)
-                note_failure(f"{endpoint.base_url}: {last}")
-            pause = wait if wait is not None else delay * random.uniform(0.5, 1.5)
-            delay = min(endpoint.max_backoff_s, delay * 2)
-            if time.monotonic() + pause > deadline:
-                raise LLMUnavailable(
-                    f"{endpoint.model}: no answer after {n} requests in {endpoint.deadline_s:g} s (last: {last})"
+                    raise LLMUnavailable(f"{endpoint.model}: {last}: {e.message}") from None
+            except openai.APITimeoutError:
+                last = "timed out"
+            except openai.APIConnectionError as e:
+                last = f"connection failed ({root_cause(e)})"
+            except (ValueError, IndexError, AttributeError, TypeError) as e:  # a body that is not a completion
+                last = f"malformed response: {type(e).__name__}"
+            else:
+                result = ChatResult(
+                    message=choice.message.model_dump(exclude_none=True),
+                    raw=body,
+                    usage=Usage(
+                        prompt_tokens=completion.usage.prompt_tokens if completion.usage else 0,
+                        completion_tokens=completion.usage.completion_tokens if completion.usage else 0,
+                    ),
+                    latency_s=round(time.monotonic() - t0, 4),
+                    logprobs=[t.model_dump() for t in choice.logprobs.content]
+                    if choice.logprobs and choice.logprobs.content
+                    else None,
                 )
-            await asyncio.sleep(pause)
-    finally:
-        await client.close()
+                await observer.after_request(n, "answered", result)
+                return result
+            if sent:
+                await observer.after_request(n, last, None)
+            note_failure(f"{endpoint.base_url}: {last}")
+        pause = wait if wait is not None else delay * random.uniform(0.5, 1.5)
+        delay = min(endpoint.max_backoff_s, delay * 2)
+        if time.monotonic() + pause > deadline:
+            raise LLMUnavailable(
+                f"{endpoint.model}: no answer after {tries} tries ({n} requests sent) in "
+                f"{endpoint.deadline_s:g} s (last: {last})"
+            )
+        await asyncio.sleep(pause)
 
 
 async def check_endpoint(base_url: str, api_key_env: str, *, timeout_s: float = 10.0) -> str | None:
