@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,12 @@ def test_a_long_build_never_blocks_another_images_build(cli: Cli, tmp_path: Path
     finally:
         stderr = _stop(running)
     assert "task slow: build_timeout_sec 604800: held to this machine's ceiling of 1800 s" in stderr, stderr
+    # the killed driver's build goes with it (its sandbox dies with its parent), before the next test looks
+    for _ in range(300):  # a bound on a stuck test only
+        if not _live("sleep 1000", BUILD_UID):
+            break
+        time.sleep(0.1)
+    assert not _live("sleep 1000", BUILD_UID)
 
 
 def test_a_build_past_the_time_ceiling_fails_with_one_line_that_says_so(cli: Cli, tmp_path: Path, cache: Path) -> None:
