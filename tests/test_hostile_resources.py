@@ -17,11 +17,14 @@ from typing import Any
 
 import pytest
 from conftest import Cli, leftover_copies
+from test_concurrency import _driver_pid, _stop_between_writes, _wait
 from test_hostile import REWARD, _in_sandbox_range, _task
 
 from durable_rl._engine._store import Store
+from durable_rl._engine._supervisor import LEASE_S
+from durable_rl._procs import pid_alive
 from durable_rl._sandbox._uids import processes_of
-from durable_rl._sandbox._workspace import remove_tree, trials_dir_for
+from durable_rl._sandbox._workspace import mount_points, remove_tree, trials_dir_for
 from durable_rl._views import recorded
 
 pytestmark = [
@@ -224,6 +227,123 @@ def test_a_killed_sandbox_helper_stops_its_trials_and_never_frees_a_uid_a_proces
     trials_dir = trials_dir_for(cli.cwd / ".durable-rl")
     assert leftover_copies(trials_dir) == []
     assert all(processes_of(u) == [] and _flock_free(u) for u in uids)
+
+
+# ---- a driver that leaves by os._exit: its lease taken over, its database lost -----------------------
+
+
+def _copies_by_owner(trials_dir: Path) -> dict[int, set[str]]:
+    """From the host's mount table: the working copies in `trials_dir` that hold a mount, by the
+    pid their owner file names (the driver they were made for)."""
+    owners: dict[int, set[str]] = {}
+    for point in mount_points():
+        if point.parent != trials_dir and trials_dir not in point.parents:
+            continue
+        copy = point.relative_to(trials_dir).parts[0]
+        try:
+            pid = int((trials_dir / copy / "owner.pid").read_text())
+        except (OSError, ValueError):
+            pid = 0  # its tmpfs already detached: the owner file went with it
+        owners.setdefault(pid, set()).add(copy)
+    return owners
+
+
+def _trials_of(root: int) -> list[int]:
+    """The trials' `sleep 45` processes under `root` (a CLI, a driver)."""
+    return [p for p in _descendants(root) if _cmdline(p) == b"sleep\x0045\x00" and _in_sandbox_range(p)]
+
+
+def test_a_driver_whose_lease_was_taken_over_unmounts_its_copies_and_leaves_the_new_drivers_alone(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """A driver stalled (SIGSTOP) past its lease while its trials ran; `resume` took the run over;
+    once continued, the stalled driver leaves by `os._exit` at its next renewal, its trials still
+    running: within seconds nothing it (or its sandbox helper) mounted is in the host's mount
+    table, and the new driver's copies, made while the stalled one's owner pid still lived, are
+    untouched by the new driver's sweep and by the departure."""
+    tasks = tmp_path / "tasks"
+    for i in range(2):  # each trial outlives the stall (its agent timeout far off): its copy is in use at the exit
+        _task(tasks, f"long-{i}", "touch ok.txt\nsleep 45\n", test=HONEST[1], agent_s=300, toml="storage_mb = 100\n")
+    trials_dir = trials_dir_for(cli.cwd / ".durable-rl")
+    first = cli.popen("train", "--run-id", "depart", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1")
+    second = None
+    try:
+        _wait(lambda: _trials_of(first.pid) != [], "the first driver's trials", 120)  # the record exists by then
+        store = Store(cli.db)
+        stalled = _driver_pid(store, "depart")
+        assert stalled is not None
+        _wait(lambda: len(_trials_of(stalled)) == 2, "the first driver's two trials", 120)
+        assert len(_copies_by_owner(trials_dir).get(stalled, set())) == 2
+        stalled_helpers = [h for h in _helpers_of(first.pid) if _parent(h) == stalled]
+        assert len(stalled_helpers) == 1, stalled_helpers
+        _stop_between_writes(stalled, Path(cli.db.removeprefix("sqlite:///")))
+        try:
+            _wait(lambda: _driver_pid(store, "depart") is None, "the stalled driver's lease to lapse", LEASE_S + 30)
+            second = cli.popen("resume", "depart")
+            _wait(lambda: _driver_pid(store, "depart") not in (None, stalled), "the takeover", 120)
+            new = _driver_pid(store, "depart")
+            assert new is not None
+            _wait(lambda: len(_trials_of(new)) == 2, "the new driver's two trials", 120)
+            theirs = _copies_by_owner(trials_dir).get(new, set())
+            ours = _copies_by_owner(trials_dir).get(stalled, set())
+            assert len(theirs) == 2 and len(ours) == 2  # the new driver's sweep kept the live stalled driver's copies
+            assert len(_trials_of(stalled)) == 2  # its trials still run: their copies are in use
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+        _wait(lambda: not pid_alive(stalled), "the stalled driver to leave at its next renewal", 60)
+        # within a few seconds: none of its copies in the mount table, its helper gone, the new driver's intact
+        _wait(lambda: stalled not in _copies_by_owner(trials_dir), "the stalled driver's copies to be unmounted", 10)
+        assert all(not Path(trials_dir / c).exists() for c in ours)
+        _wait(lambda: not any(pid_alive(h) for h in stalled_helpers), "the stalled driver's helper to leave", 10)
+        assert _copies_by_owner(trials_dir).get(new) == theirs
+        assert len(_trials_of(new)) == 2
+        _, err_first = first.communicate(timeout=300)
+        _, err_second = second.communicate(timeout=300)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    assert second.returncode == 0, err_second[-3000:]
+    assert first.returncode == 0, err_first[-3000:]  # its CLI followed the new driver to the run's end
+    said = [line for line in err_first.splitlines() if "took it over and drives it now" in line]
+    assert len(said) == 1, err_first[-3000:]  # the stalled driver left with one line
+    assert all(t["reward"] == 1.0 for t in _trials(cli, "depart").values())
+    assert leftover_copies(trials_dir) == []
+
+
+def test_a_driver_whose_state_file_is_deleted_unmounts_the_copies_its_threads_made(cli: Cli, tmp_path: Path) -> None:
+    """The state database deleted under a run whose trials are running, their copies made by the
+    driver's threads (the `copy` method, on a tmpfs each as root): the driver stops by `os._exit`
+    with one line, and from the host none of its copies is left mounted or on disk."""
+    tasks = tmp_path / "tasks"
+    for i in range(2):
+        _task(tasks, f"long-{i}", "touch ok.txt\nsleep 45\n", test=HONEST[1], agent_s=300, toml="storage_mb = 100\n")
+    trials_dir = trials_dir_for(cli.cwd / ".durable-rl")
+    proc = cli.popen(
+        "train", "--run-id", "lost", "--tasks", str(tasks), "--n-steps", "1", "--n-samples", "1", "--workspace", "copy"
+    )
+    try:
+        _wait(lambda: len(_trials_of(proc.pid)) == 2, "the driver's two trials", 120)
+        store = Store(cli.db)
+        driver = _driver_pid(store, "lost")
+        assert driver is not None
+        ours = _copies_by_owner(trials_dir).get(driver, set())
+        assert len(ours) == 2  # two copies, each a tmpfs and its quota's tmpfs, made by the driver's threads
+        db = cli.cwd / ".durable-rl" / "state.sqlite"
+        for leftover in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+            leftover.unlink(missing_ok=True)
+        _wait(lambda: not pid_alive(driver), "the driver to stop", 30)
+        _wait(lambda: driver not in _copies_by_owner(trials_dir), "its copies to be unmounted", 10)
+        assert all(not Path(trials_dir / c).exists() for c in ours)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    said = [line for line in err.splitlines() if line.strip() and not line.startswith(("step ", "  … "))]
+    assert len(said) == 1 and "was deleted" in said[0], err[-3000:]
 
 
 # ---- the kept trial folder: file count, depth, bytes -----------------------------------------------

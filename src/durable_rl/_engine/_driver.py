@@ -13,11 +13,12 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .._loop import StepFailed, UnitFailed
 from .._procs import exit_now
 from .._sandbox._helper import start_helper
+from .._sandbox._workspace import remove_copies_made_here
 from .._terminal import guard_standard_streams
 from ._engines import run_driver as engine_driver
 from ._store import Store, connection_lost, shown, storage_fault
@@ -46,15 +47,23 @@ def _storage_line(run_id: str, fault: str) -> str:
 def _exit_on_lost(line: str) -> None:
     """The driver process's answer to a lost database: say so and stop now (the engine's
     threads would only retry and complain); a restart resumes from the record."""
-    print(line, file=sys.stderr, flush=True)
-    os._exit(EXIT_STORAGE)
+    _depart(line, EXIT_STORAGE)
 
 
 def _exit_on_takeover(line: str) -> None:
     """The driver process's answer to a lease another driver took over: say so and leave the run
     to it (the supervisor follows that driver to the run's end)."""
+    _depart(line, EXIT_ALREADY_DRIVEN)
+
+
+def _depart(line: str, code: int) -> NoReturn:
+    """Leave at once, without waiting for the run's coroutines (they would only write a record
+    that is no longer this driver's): the working copies its threads made are unmounted and
+    removed first (the sandbox helper removes its own when this process is gone), so that nothing
+    of this driver stays mounted until some later driver's sweep."""
     print(line, file=sys.stderr, flush=True)
-    os._exit(EXIT_ALREADY_DRIVEN)
+    remove_copies_made_here()
+    os._exit(code)
 
 
 def _renew_lease_while_alive(

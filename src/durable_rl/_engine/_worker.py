@@ -38,7 +38,7 @@ from .._errors import UserError
 from .._models import Trajectory, TrialSpec, Weights, _Frozen
 from .._registry import trust_only
 from .._sandbox._helper import start_helper
-from .._sandbox._workspace import sweep, trials_dir_for
+from .._sandbox._workspace import remove_copies_made_here, sweep, trials_dir_for
 from .._terminal import guard_standard_streams
 from ._calls import Process, attempt_unit, current, retries, run_config, start, state_folder, unit_identity
 from ._dbos import _one_launch_at_a_time, _RunEndsAreOurs
@@ -157,6 +157,7 @@ class _Pulse:
             file=sys.stderr,
             flush=True,
         )
+        remove_copies_made_here()  # the helper removes its own once this process is gone
         os._exit(EXIT_LOST_DATABASE)
 
 
@@ -183,6 +184,7 @@ def _beat_and_recover(
                 file=sys.stderr,
                 flush=True,
             )
+            remove_copies_made_here()
             os._exit(EXIT_DECLARED_DEAD)
         unrecovered += dead
         for other in list(unrecovered):

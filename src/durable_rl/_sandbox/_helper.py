@@ -9,8 +9,9 @@ over a socket it reads itself (no thread in between): one line of JSON a request
 
 The helper takes the uid leases' locks and passes each lease file's descriptor to the driver
 with its reply (SCM_RIGHTS): both hold the one lock, which is free only once both let go. The
-helper leaves when the socket closes (the driver exited or was killed) or when its parent dies,
-killing what still runs under the uids it leased before giving them back. A helper that dies
+helper leaves when the socket closes (the driver exited, left by `os._exit` or was killed) or
+when its parent dies: it kills what still runs under the uids it leased, unmounts and removes the
+copies it made and has not removed yet, then gives the uids back. A helper that dies
 alone (killed) leaves the driver holding every lease: the driver stops the trials it served
 (their commands killed, their copies removed, each failed with `HelperGone`, to be retried as
 any failed attempt is, without the helper) and gives a uid back only when no process of it is
@@ -28,6 +29,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -223,39 +225,62 @@ def start_helper() -> Helper | None:
 
 
 def _serve(sock: socket.socket, driver: int) -> None:
+    # the driver's death, should its socket outlive it (a descriptor some fork kept), wakes the
+    # wait below through this pipe: a signal the helper survives, so that it can clean up
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGHUP, lambda *_: None)
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != driver:  # the driver died before the line above
-        return
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGHUP)
     for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C stops the driver, which then closes the socket
         signal.signal(sig, signal.SIG_IGN)
     leases: dict[int, int] = {}  # uid -> the lease file's descriptor, which holds its lock
+    made: set[str] = set()  # the trial folders of the copies made here and not removed yet
     urgent: collections.deque[dict[str, Any]] = collections.deque()
     later: collections.deque[dict[str, Any]] = collections.deque()
-    inbox, open_ = b"", True
-    while open_ or urgent or later:
-        if open_:
-            sock.setblocking(not (urgent or later))  # waits for a request only when there is no work
-            try:
-                chunk = sock.recv(1 << 16)
-                open_ = bool(chunk)
-            except BlockingIOError:
-                chunk = b""
-            *lines, inbox = (inbox + chunk).split(b"\n")
-            for line in lines:
-                request = json.loads(line)
-                (urgent if request["op"] in _URGENT else later).append(request)
+    inbox = b""
+    while os.getppid() == driver:  # else the driver died before the prctl above, or since
+        if not (urgent or later):  # no work: wait for a request, the socket's end or the driver's death
+            ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+            if sock.fileno() not in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 64)
+                continue
+        sock.setblocking(not (urgent or later))
+        try:
+            chunk = sock.recv(1 << 16)
+        except BlockingIOError:
+            chunk = None
+        except OSError:
+            chunk = b""
+        if chunk == b"":  # the driver closed it (its exit) or is gone: nothing asked of it matters now
+            break
+        *lines, inbox = (inbox + (chunk or b"")).split(b"\n")
+        for line in lines:
+            request = json.loads(line)
+            (urgent if request["op"] in _URGENT else later).append(request)
         if urgent or later:
             request = urgent.popleft() if urgent else later.popleft()
-            reply = _answer(request, leases, driver)
+            reply = _answer(request, leases, made, driver)
             if reply is not None:
                 sock.setblocking(True)
                 with contextlib.suppress(OSError):  # a driver gone: the loop ends at EOF
                     _send(sock, reply, leases)
-    from ._uids import _release, reap_uid
+    _depart(leases, made)
 
-    for uid, fd in leases.items():  # the driver ended: its trials with it (bwrap dies with its parent)
-        reap_uid(uid)  # nothing of the uid may outlive its lease, even for the moment its kill takes
+
+def _depart(leases: dict[int, int], made: set[str]) -> None:
+    """The driver ended, however it did (an exit, `os._exit`, a kill): what ran under the uids it
+    leased is killed, the copies made for it are unmounted and removed, its uids given back. Work
+    it had asked for and not yet got (a copy, a lease) is not done: nobody would use it."""
+    from ._uids import _release, reap_uid
+    from ._workspace import _remove
+
+    for uid in leases:  # its trials die with it (bwrap dies with its parent); nothing of a uid outlives its lease
+        reap_uid(uid)
+    for trial_dir in sorted(made):
+        _remove(Path(trial_dir))
+    for fd in leases.values():
         _release(fd)
 
 
@@ -269,7 +294,7 @@ def _send(sock: socket.socket, reply: dict[str, Any], leases: dict[int, int]) ->
         sock.sendall(data)
 
 
-def _answer(request: dict[str, Any], leases: dict[int, int], driver: int) -> dict[str, Any] | None:
+def _answer(request: dict[str, Any], leases: dict[int, int], made: set[str], driver: int) -> dict[str, Any] | None:
     from . import _uids, _workspace  # not at the top: both ask this module for the helper
 
     op = request["op"]
@@ -282,6 +307,7 @@ def _answer(request: dict[str, Any], leases: dict[int, int], driver: int) -> dic
             _uids._release(leases.pop(request["uid"]))
             return None
         elif op == "make":
+            made.add(request["trial_dir"])  # before it is made: whatever part of it exists goes at the end
             path, method = _workspace._choose_and_make(
                 Path(request["snapshot"]),
                 Path(request["trial_dir"]),
@@ -293,6 +319,7 @@ def _answer(request: dict[str, Any], leases: dict[int, int], driver: int) -> dic
             result = [str(path), method]
         elif op == "remove":
             _workspace._remove(Path(request["trial_dir"]))
+            made.discard(request["trial_dir"])
             return None
         else:
             raise ValueError(f"unknown request {op!r}")

@@ -15,6 +15,7 @@ its files in RAM or swap). What the driver copies in (a task's tests) stays outs
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
@@ -27,6 +28,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -478,9 +480,44 @@ def _choose_and_make(
     return _make(snapshot, trial_dir, chosen, owner_uid, quota_mb, owner_pid), chosen
 
 
+# The trial folders of the copies this process's threads made (or took over from a helper that
+# died) and have not removed yet: what a departure removes, whichever way the process leaves.
+_MADE_HERE: set[Path] = set()
+_MADE_HERE_LOCK = threading.Lock()
+
+
+def _made_here(trial_dir: Path) -> None:
+    with _MADE_HERE_LOCK:
+        _MADE_HERE.add(trial_dir)
+
+
 def _remove_once_made(made: Future[tuple[Path, Method]], trial_dir: Path) -> None:
     made.exception()  # waits until making it ended, whichever way
+    _remove_made_here(trial_dir)
+
+
+def _remove_made_here(trial_dir: Path) -> None:
     _remove(trial_dir)
+    with _MADE_HERE_LOCK:
+        _MADE_HERE.discard(trial_dir)
+
+
+def remove_copies_made_here() -> int:
+    """Unmount and remove every working copy this process's threads made and still have, in use
+    or not; return how many. For a process about to leave without the interpreter's exit (its
+    lease taken over, its database lost: `os._exit`), and, as an atexit handler, for any other
+    exit; the copies the sandbox helper made, it removes itself once its driver is gone. A trial
+    still running in one keeps its files until it dies with the process (the mounts are detached,
+    see `_unmount`), but nothing of it stays in the mount table."""
+    with _MADE_HERE_LOCK:
+        left = sorted(_MADE_HERE)
+    for trial_dir in left:
+        with contextlib.suppress(OSError):
+            _remove_made_here(trial_dir)
+    return len(left)
+
+
+atexit.register(remove_copies_made_here)
 
 
 def _remove(trial_dir: Path) -> None:
@@ -529,8 +566,10 @@ async def working_copy(
             try:
                 sandbox_helper.post("remove", trial_dir=str(trial_dir))
             except HelperGone:
-                _REMOVERS.submit(_remove, trial_dir)
+                _made_here(trial_dir)
+                _REMOVERS.submit(_remove_made_here, trial_dir)
         return
+    _made_here(trial_dir)  # before it is made: a departure meanwhile removes whatever part of it exists
     made = maker.submit(_choose_and_make, snapshot, trial_dir, method, owner_uid, quota, os.getpid())
     try:
         path, chosen = await asyncio.wrap_future(made)
