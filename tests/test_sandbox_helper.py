@@ -144,9 +144,23 @@ def test_a_copy_the_helper_cannot_make_fails_its_trial_with_the_error_and_leaves
     assert leftover_copies(tmp_path / "trials", within_s=0) == []
 
 
-def test_a_driver_killed_takes_its_helper_and_leases_with_it_and_sweep_removes_its_copy(
-    tmp_path: Path, snapshot: Path
+def _kill_both(driver: subprocess.Popen[str], helper_pid: int) -> None:
+    """SIGKILL a driver and its helper as a kill of their process group would: both stopped
+    first, so that neither sees the other go and cleans up after it."""
+    os.kill(helper_pid, signal.SIGSTOP)
+    driver.send_signal(signal.SIGSTOP)
+    os.kill(helper_pid, signal.SIGKILL)
+    driver.send_signal(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("killed", ["driver", "driver and helper"])
+def test_a_killed_driver_s_helper_removes_its_copy_and_gives_its_lease_back_else_sweep_does(
+    tmp_path: Path, snapshot: Path, killed: str
 ) -> None:
+    """A driver SIGKILLed mid-trial: its helper, told by the socket's end, kills what runs under
+    the uid, unmounts and removes the copy it made, gives the uid back and exits; nothing is left
+    for a sweep. Where the helper is killed too (a whole process group), the copy stays until a
+    later driver's sweep, which removes it: its owner is dead."""
     body = """
     assert start_helper() is not None
     async def main():
@@ -160,13 +174,21 @@ def test_a_driver_killed_takes_its_helper_and_leases_with_it_and_sweep_removes_i
         assert proc.stdout is not None
         out = json.loads(proc.stdout.readline())
         assert uid_held(out["uid"]) and _mounted(out["path"])
-        proc.send_signal(signal.SIGKILL)
+        if killed == "driver and helper":
+            _kill_both(proc, out["helper"])
+        else:
+            proc.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 10
     while pid_alive(out["helper"]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not pid_alive(out["helper"])  # its parent's death killed it
-    assert not uid_held(out["uid"])  # its locks died with it
-    assert sweep(tmp_path / "trials") == 1  # the copy's owner is the dead driver
+    assert not pid_alive(out["helper"])  # it left once its driver was gone
+    assert not uid_held(out["uid"])  # its locks went with it
+    if killed == "driver":
+        assert not _mounted(out["path"]) and leftover_copies(tmp_path / "trials", within_s=0) == []
+        assert sweep(tmp_path / "trials") == 0
+    else:
+        assert _mounted(out["path"])
+        assert sweep(tmp_path / "trials") == 1  # the copy's owner is the dead driver
     assert not _mounted(out["path"]) and leftover_copies(tmp_path / "trials", within_s=0) == []
 
 
@@ -174,9 +196,10 @@ def test_a_driver_killed_takes_its_helper_and_leases_with_it_and_sweep_removes_i
 def test_a_benchmark_first_removes_the_copies_a_killed_process_left_mounted_where_no_driver_returns(
     tmp_path: Path, snapshot: Path
 ) -> None:
-    """A test or benchmark killed mid-trial leaves its copy mounted in a temporary folder no driver
-    starts in again; each such mount slows every later mount and sandboxed command. A benchmark
-    finds them in the mount table (a space in the path, as the kernel escapes it) and removes them."""
+    """A test or benchmark killed mid-trial (driver and helper at once, as a kill of their process
+    group) leaves its copy mounted in a temporary folder no driver starts in again; each such
+    mount slows every later mount and sandboxed command. A benchmark finds them in the mount table
+    (a space in the path, as the kernel escapes it) and removes them."""
     trials = tmp_path / "trials of a killed run"
     body = """
     assert start_helper() is not None
@@ -190,7 +213,7 @@ def test_a_benchmark_first_removes_the_copies_a_killed_process_left_mounted_wher
     with subprocess.Popen(_script(tmp_path, snapshot, body, trials), stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
         out = json.loads(proc.stdout.readline())
-        proc.send_signal(signal.SIGKILL)
+        _kill_both(proc, out["helper"])
     deadline = time.monotonic() + 10
     while pid_alive(out["helper"]) and time.monotonic() < deadline:
         time.sleep(0.01)
