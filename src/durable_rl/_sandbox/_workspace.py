@@ -508,7 +508,11 @@ def remove_copies_made_here() -> int:
     lease taken over, its database lost: `os._exit`), and, as an atexit handler, for any other
     exit; the copies the sandbox helper made, it removes itself once its driver is gone. A trial
     still running in one keeps its files until it dies with the process (the mounts are detached,
-    see `_unmount`), but nothing of it stays in the mount table."""
+    see `_unmount`), but nothing of it stays in the mount table. No copy is made here after it:
+    the makes still queued are cancelled (one a thread is making at this moment may finish after
+    it; a later sweep removes that one, its owner gone)."""
+    for makers in (_METADATA_MAKER, _DATA_MAKERS):
+        makers.shutdown(wait=False, cancel_futures=True)
     with _MADE_HERE_LOCK:
         left = sorted(_MADE_HERE)
     for trial_dir in left:
