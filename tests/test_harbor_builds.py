@@ -26,8 +26,8 @@ from durable_rl._harbor_image import BUILD_UID, _lock_path, base_folder, base_ro
 REWARD = 'R=/logs/verifier; mkdir -p "$R"\n'
 
 pytestmark = [
-    # the builds run as one uid, whose `sleep 1000` processes these tests count machine-wide: one worker
-    pytest.mark.xdist_group("harbor-builds"),
+    # the builds run as one uid, whose `sleep 1000` processes these tests count machine-wide: alone
+    pytest.mark.serial,
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("debootstrap") is None or not os.access("/usr/bin/bwrap", os.X_OK),
         reason="Dockerfile builds need root (overlay mounts), debootstrap and bubblewrap",

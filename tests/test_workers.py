@@ -304,6 +304,7 @@ def test_a_driver_restarted_with_no_worker_alive_waits_for_the_units_it_had_enqu
     ] == []
 
 
+@pytest.mark.process  # the engine's start looks up libc (ctypes.util.find_library runs a helper program)
 def test_trials_starting_together_share_one_worker_count_and_all_go_on_when_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
