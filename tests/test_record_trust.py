@@ -29,6 +29,7 @@ import pytest
 import sqlalchemy as sa
 from conftest import CLEAN_V1, FAST, Cli, figures
 from dbos import DBOSClient, DBOSPortableJSONSerializer, EnqueueOptions
+from test_workers import _start_worker
 
 from durable_rl._engine._fleet import live_workers
 from durable_rl._engine._remote import UNIT_WORKFLOW, WORKER_APP, app_version
@@ -46,6 +47,30 @@ class _Command:
 
     def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
         return os.system, (self.command,)
+
+
+def _served_by_workers(store: Store, run_id: str) -> int:
+    """The run's generate units that a worker (not the driver) finished."""
+    with store.engine.connect() as c:
+        return int(
+            c.execute(
+                sa.text(
+                    "select count(*) from dbos.workflow_status where workflow_uuid like :units "
+                    "and status = 'SUCCESS' and executor_id like 'worker-%'"
+                ),
+                {"units": f"drl:{run_id}:generate:%"},
+            ).scalar_one()
+        )
+
+
+def _stop(worker: subprocess.Popen[bytes]) -> None:
+    """A worker asked to stop, then killed with its group if it does not within a minute."""
+    worker.send_signal(signal.SIGTERM)
+    try:
+        worker.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
 
 
 def _wait_for(what: str, check: Callable[[], object], timeout: float = 90) -> Any:
@@ -96,17 +121,8 @@ def test_no_row_is_unpickled_and_no_plugin_named_by_the_record_is_imported(pg_cl
     )
     store = Store.create(pg_cli.db)
     folder = tmp_path / "worker"
-    folder.mkdir()
     out, err = folder / "out", folder / "err"
-    with out.open("w") as o, err.open("w") as e:
-        worker = subprocess.Popen(
-            pg_cli.argv("worker", "--db", pg_cli.db),
-            cwd=folder,
-            env={k: v for k, v in pg_cli.env().items() if k != "DURABLE_RL_DB"},
-            stdout=o,
-            stderr=e,
-            start_new_session=True,
-        )
+    worker = _start_worker(pg_cli, folder)
     client = DBOSClient(system_database_url=pg_cli.db, application_name=WORKER_APP)  # DBOS's default: pickle
     try:
         _wait_for("the worker serving", lambda: "serving" in out.read_text())
@@ -167,14 +183,7 @@ def test_no_row_is_unpickled_and_no_plugin_named_by_the_record_is_imported(pg_cl
         assert live_workers(store) == 1
         summary = pg_cli.json("train", "--run-id", "honest", *FAST, "--sandbox-slots", "2")
         assert summary["status"] == "succeeded" and figures(summary) == CLEAN_V1
-        with store.engine.connect() as c:
-            served = c.execute(
-                sa.text(
-                    "select count(*) from dbos.workflow_status where workflow_uuid like 'drl:honest:generate:%' "
-                    "and status = 'SUCCESS' and executor_id like 'worker-%'"
-                )
-            ).scalar_one()
-        assert served == 18
+        assert _served_by_workers(store, "honest") == 18
         with store.engine.connect() as c:
             kinds = set(c.execute(sa.text("select distinct serialization from dbos.workflow_status")).scalars())
             kinds |= set(c.execute(sa.text("select distinct serialization from dbos.operation_outputs")).scalars())
@@ -189,12 +198,7 @@ def test_no_row_is_unpickled_and_no_plugin_named_by_the_record_is_imported(pg_cl
             ).scalar_one()
     finally:
         client.destroy()
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        _stop(worker)
         store.engine.dispose()
     assert not pickle_canary.exists() and not plugin_canary.exists()
 
@@ -263,38 +267,17 @@ def test_a_worker_started_to_trust_a_plugin_module_serves_its_runs(pg_cli: Cli, 
     shutil.copytree(EXAMPLE, example)
     store = Store.create(pg_cli.db)
     folder = tmp_path / "worker"
-    folder.mkdir()
     env = {k: v for k, v in pg_cli.env().items() if k != "DURABLE_RL_DB"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(example)) if p)
     out = folder / "out"
-    with out.open("w") as o, (folder / "err").open("w") as e:
-        worker = subprocess.Popen(
-            [*pg_cli.argv("worker", "--db", pg_cli.db, "--trust-plugin", "log_count")],
-            cwd=folder,
-            env=env,
-            stdout=o,
-            stderr=e,
-            start_new_session=True,
-        )
+    worker = _start_worker(pg_cli, folder, "--trust-plugin", "log_count", env=env)
     try:
         _wait_for("the worker serving", lambda: "serving" in out.read_text())
         user = Cli(example, pg_cli.db)
         summary = user.json("train", "--config", "run.toml", "--run-id", "trusted", "--n-steps", "2")
         assert summary["status"] == "succeeded" and summary["counters"]["trials_ok"] == 24
-        with store.engine.connect() as c:
-            served = c.execute(
-                sa.text(
-                    "select count(*) from dbos.workflow_status where workflow_uuid like 'drl:trusted:generate:%' "
-                    "and status = 'SUCCESS' and executor_id like 'worker-%'"
-                )
-            ).scalar_one()
-        assert served == 24
+        assert _served_by_workers(store, "trusted") == 24
         assert "refused" not in (folder / "err").read_text()
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        _stop(worker)
         store.engine.dispose()

@@ -43,13 +43,15 @@ def server() -> Iterator[ScriptedLLMServer]:
         yield s
 
 
-def _start_worker(cli: Cli, folder: Path) -> subprocess.Popen[bytes]:
+def _start_worker(cli: Cli, folder: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A `durable-rl worker` in `folder` (its state folder; its output in `out` and `err`), with
+    the database given by flag only, and `env` instead of the CLI's when given."""
     folder.mkdir()
     with (folder / "out").open("w") as out, (folder / "err").open("w") as err:
         return subprocess.Popen(
-            cli.argv("worker", "--db", cli.db),
+            cli.argv("worker", "--db", cli.db, *flags),
             cwd=folder,
-            env={k: v for k, v in cli.env().items() if k != "DURABLE_RL_DB"},
+            env=env if env is not None else {k: v for k, v in cli.env().items() if k != "DURABLE_RL_DB"},
             stdout=out,
             stderr=err,
             start_new_session=True,
